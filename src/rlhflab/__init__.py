@@ -1,0 +1,3 @@
+"""rlhflab: RLHF centred on PPO."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,3 @@
+from rlhflab.cli import main
+
+main()

@@ -1,0 +1,564 @@
+"""The mathematical core of PPO for RLHF, as pure functions.
+
+Tensors in, tensors out; hyperparameters are plain numbers. This module imports only
+torch, so it can be read (and tested) like the papers it follows.
+
+Conventions used by every function below:
+
+* ``(B, T)`` tensors are laid over *response* tokens only; prompt tokens never appear.
+* ``response_mask`` is 1 on real response tokens *including* the EOS token and 0 on the
+  padding after it (right-padded). A truncated answer (no EOS) is 1 up to its last token.
+* Padding content never changes a result: masked positions are selected away with
+  ``torch.where`` (never multiplied by 0, which would turn a NaN in padding into a NaN
+  result), and a fully masked row never produces NaN.
+
+Sources are cited per function; ``shared/docs/ppo-details.md`` collects them and lists
+where they disagree. Short names: OAI19 = Ziegler et al. 2019 (arXiv 1909.08593),
+N+ = Huang et al. 2024 "The N+ implementation details of RLHF with PPO" (arXiv 2403.17031),
+DSM = DeepSeekMath (arXiv 2402.03300), DrGRPO = Liu et al. 2025 (arXiv 2503.20783),
+DAPO = Yu et al. 2025 (arXiv 2503.14476).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "AGG_MODES",
+    "KL_ESTIMATORS",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "aggregate",
+    "compute_gae",
+    "dpo_loss",
+    "entropy_from_logits",
+    "group_advantages",
+    "kl_estimate",
+    "logprobs_from_logits",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+    "pairwise_reward_loss",
+    "policy_loss",
+    "rloo_advantages",
+    "shape_rewards",
+    "value_loss",
+]
+
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_ESTIMATORS = ("k1", "k2", "k3", "k3+", "abs")
+
+# log-ratios are clamped to this range before exp(): exp(20) ~ 5e8 is finite in fp16/bf16/fp32
+# and no sane update gets there (verl and OpenRLHF use the same bound).
+_LOG_RATIO_LIMIT = 20.0
+
+
+def _bool(mask: torch.Tensor) -> torch.Tensor:
+    return mask if mask.dtype == torch.bool else mask != 0
+
+
+def _check_same_shape(**tensors: torch.Tensor) -> None:
+    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+    if len(set(shapes.values())) != 1:
+        raise ValueError(f"shape mismatch: {shapes}")
+
+
+# --------------------------------------------------------------------------- masked statistics
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of ``x`` over positions where ``mask`` is true.
+
+    x, mask: same shape (any). ``dim=None`` reduces everything to a scalar; an int reduces
+    that dimension. Where nothing is selected the result is 0, never NaN.
+    """
+    m = _bool(mask)
+    total = torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    if dim is None:
+        return total.sum() / m.sum().clamp(min=1).to(x.dtype)
+    return total.sum(dim) / m.sum(dim).clamp(min=1).to(x.dtype)
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of the selected elements of ``x`` (scalar).
+
+    ``unbiased=True`` applies Bessel's correction n/(n-1) (torch's default; N+ and OAI19 use
+    the population variance, verl the unbiased one — see ppo-details §4.5). With fewer than
+    two selected elements the variance is undefined; 0 is returned, never NaN.
+    """
+    m = _bool(mask)
+    mean = masked_mean(x, m)
+    centred = torch.where(m, x - mean, torch.zeros((), dtype=x.dtype, device=x.device))
+    n = m.sum().to(x.dtype)
+    var = centred.pow(2).sum() / n.clamp(min=1)
+    if unbiased:
+        var = torch.where(n > 1, var * n / (n - 1).clamp(min=1), torch.zeros_like(var))
+    return var
+
+
+def masked_whiten(
+    x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8
+) -> torch.Tensor:
+    """(x − μ) / sqrt(var + eps) over the selected elements; 0 at unselected positions.
+
+    μ and var are the masked mean and (unbiased) variance over *all* selected elements.
+    ``shift_mean=False`` adds μ back (scale only), as OAI19 does for reward whitening.
+    Source: OAI19 ``whiten``; N+ §"advantage whitening".
+    """
+    m = _bool(mask)
+    mean = masked_mean(x, m)
+    var = masked_var(x, m, unbiased=True)
+    whitened = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return torch.where(m, whitened, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+# --------------------------------------------------------------------------- log-probs, entropy, KL
+
+
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        # logsumexp over a vocabulary in half precision loses ~2 digits; upcast first.
+        logits = logits.float()
+    return logits / temperature if temperature != 1.0 else logits
+
+
+def logprobs_from_logits(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """log π(token) under softmax(logits / temperature).
+
+    logits: (B, T, V) — logits[:, t] must already be the ones that *predict* tokens[:, t].
+    tokens: (B, T) int64. Returns (B, T) in float32 (or float64 for float64 logits).
+    Dividing by the sampling temperature everywhere keeps training log-probs equal to the
+    sampling distribution's (N+ detail "temperature", ppo-details §9.8).
+    Computed as gathered logit − logsumexp, which never materialises a (B, T, V) log-softmax.
+    """
+    z = _scaled(logits, temperature)
+    picked = torch.gather(z, -1, tokens.long().unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(z, dim=-1)
+
+
+def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy H of softmax(logits / temperature) at every position.
+
+    logits: (B, T, V) → (B, T). H = logsumexp(z) − Σ softmax(z)·z (N+, TRL).
+    """
+    z = _scaled(logits, temperature)
+    return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1)
+
+
+def kl_estimate(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k1"
+) -> torch.Tensor:
+    """Per-token estimate of KL(π ‖ π_ref) from samples of π (Schulman, "Approximating KL").
+
+    logprobs, ref_logprobs: (B, T) → (B, T). With log r = ref − logp:
+
+    * ``"k1"``  = logp − ref. Unbiased, high variance, may be negative. The right choice for
+      KL in the reward (detached), where it yields the reverse-KL policy gradient.
+    * ``"k2"``  = ½ (logp − ref)². Biased, ≥ 0. As a *loss*, on-policy, its gradient equals
+      that of k1 in the reward (Liu et al.).
+    * ``"k3"``  = exp(log r) − log r − 1. Unbiased, low variance, ≥ 0 (DSM's GRPO KL).
+    * ``"k3+"`` = k3's value with k2's gradient (straight-through; verl ``low_var_kl+``),
+      for KL as a loss without k3's biased gradient.
+    * ``"abs"`` = |logp − ref|.
+
+    log r is clamped to ±20 before exp() so k3 cannot overflow.
+    Masking is the caller's business: padded positions hold whatever the inputs hold there.
+    """
+    _check_same_shape(logprobs=logprobs, ref_logprobs=ref_logprobs)
+    log_ratio = logprobs - ref_logprobs
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio.pow(2)
+    if estimator in ("k3", "k3+"):
+        neg = (-log_ratio).clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT)
+        k3 = torch.exp(neg) - neg - 1.0
+        if estimator == "k3":
+            return k3
+        k2 = 0.5 * log_ratio.pow(2)
+        return k2 + (k3 - k2).detach()
+    if estimator == "abs":
+        return log_ratio.abs()
+    raise ValueError(f"unknown KL estimator {estimator!r}; choose one of {KL_ESTIMATORS}")
+
+
+# --------------------------------------------------------------------------- rewards and advantages
+
+
+def last_token_index(response_mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last real response token per row: (B, T) → (B,) int64; −1 when empty."""
+    m = _bool(response_mask)
+    positions = torch.arange(m.shape[-1], device=m.device).expand_as(m)
+    return torch.where(m, positions, torch.full_like(positions, -1)).max(dim=-1).values
+
+
+def shape_rewards(
+    scores: torch.Tensor, kl: torch.Tensor, response_mask: torch.Tensor, kl_coef: float
+) -> torch.Tensor:
+    """Per-token RLHF reward r_t = −β·kl_t + score·[t = t_end] (OAI19 eq. 2; ppo-details §2–3).
+
+    scores: (B,) sequence scores. kl: (B, T) per-token KL estimate (k1 for KL-in-reward).
+    response_mask: (B, T). Returns (B, T), 0 on padding. t_end is the last response token —
+    the EOS, or the last token of a truncated answer — never the first pad after it (the
+    TRL/N+ off-by-one discussed in TRL #1893). A row with no response token gets no reward.
+    """
+    if scores.dim() != 1 or scores.shape[0] != kl.shape[0]:
+        raise ValueError(f"scores must be (B,) with B={kl.shape[0]}, got {tuple(scores.shape)}")
+    _check_same_shape(kl=kl, response_mask=response_mask)
+    m = _bool(response_mask)
+    zero = torch.zeros((), dtype=kl.dtype, device=kl.device)
+    rewards = torch.where(m, -kl_coef * kl, zero)
+    last = last_token_index(m)
+    has_token = last >= 0
+    rows = torch.arange(kl.shape[0], device=kl.device)[has_token]
+    rewards = rewards.index_put(
+        (rows, last[has_token]), scores[has_token].to(kl.dtype), accumulate=True
+    )
+    return rewards
+
+
+def compute_gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over response tokens (Schulman et al. 2016; OAI19).
+
+    rewards, values, response_mask: (B, T). Returns ``(advantages, returns)``, both (B, T)
+    and 0 on padding. δ_t = r_t + γ·V_{t+1} − V_t with V = 0 after the last response token,
+    A_t = δ_t + γλ·A_{t+1}, returns R_t = A_t + V_t (from *unwhitened* advantages, §4.3).
+    Rewards and values at padded positions are treated as 0, whatever they hold.
+    """
+    _check_same_shape(rewards=rewards, values=values, response_mask=response_mask)
+    m = _bool(response_mask)
+    zero = torch.zeros((), dtype=values.dtype, device=values.device)
+    r = torch.where(m, rewards, zero)
+    v = torch.where(m, values, zero)
+    T = r.shape[1]
+    advantages = torch.zeros_like(v)
+    last_gae = torch.zeros_like(v[:, 0])
+    for t in reversed(range(T)):
+        next_value = v[:, t + 1] if t + 1 < T else torch.zeros_like(last_gae)
+        delta = r[:, t] + gamma * next_value - v[:, t]
+        last_gae = delta + gamma * lam * last_gae
+        advantages[:, t] = last_gae
+    advantages = torch.where(m, advantages, zero)
+    return advantages, torch.where(m, advantages + v, zero)
+
+
+def group_advantages(
+    scores: torch.Tensor, group_size: int, normalize_std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
+    """GRPO outcome advantages (DSM §4.1.2): (s − group mean) / (group std + eps).
+
+    scores: (N,) with N = prompts·group_size, laid out as consecutive groups (all answers to
+    prompt 0, then prompt 1, ...). Returns (N,); broadcast it over each answer's tokens.
+    The std is the unbiased one (torch's default; G is small, so this matters).
+    ``normalize_std=False`` only centres — DrGRPO's fix for the difficulty bias.
+    """
+    g = _grouped(scores, group_size)
+    centred = g - g.mean(dim=1, keepdim=True)
+    if normalize_std:
+        centred = centred / (g.std(dim=1, unbiased=True, keepdim=True) + eps)
+    return centred.reshape(-1)
+
+
+def rloo_advantages(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    """REINFORCE leave-one-out advantages (Kool et al. 2019; Ahmadian et al. 2024).
+
+    scores: (N,) in consecutive groups of ``group_size``. A_i = s_i − mean_{j≠i} s_j
+    = s_i − (Σ_j s_j − s_i)/(G − 1). Returns (N,).
+    """
+    g = _grouped(scores, group_size)
+    baseline = (g.sum(dim=1, keepdim=True) - g) / (group_size - 1)
+    return (g - baseline).reshape(-1)
+
+
+def _grouped(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    if scores.dim() != 1:
+        raise ValueError(f"scores must be 1-D, got shape {tuple(scores.shape)}")
+    if group_size < 2:
+        raise ValueError(f"group_size must be >= 2 for a group baseline, got {group_size}")
+    if scores.shape[0] % group_size:
+        raise ValueError(f"{scores.shape[0]} scores do not split into groups of {group_size}")
+    return scores.reshape(-1, group_size)
+
+
+# --------------------------------------------------------------------------- losses
+
+
+def aggregate(
+    loss_matrix: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str = "token-mean",
+    norm: float | None = None,
+    *,
+    num_tokens: float | torch.Tensor | None = None,
+    num_seqs: float | None = None,
+) -> torch.Tensor:
+    """Reduce a per-token loss (B, T) to a scalar — always a named choice (ppo-details §5.6).
+
+    * ``"token-mean"``: Σ m·ℓ / Σ m (DAPO, verl, TRL GRPO default).
+    * ``"seq-mean-token-sum"``: mean over sequences of Σ_t m·ℓ.
+    * ``"seq-mean-token-mean"``: mean over sequences of Σ_t m·ℓ / Σ_t m (original GRPO).
+    * ``"seq-mean-token-sum-norm"``: Σ m·ℓ / (B·norm), norm defaulting to T (DrGRPO).
+
+    Micro-batching and data parallelism: pass the *global* denominators — ``num_tokens``
+    (token-mean) and ``num_seqs`` (every seq-mean mode) — and the per-micro-batch losses then
+    sum exactly to the whole-batch loss, whatever the split.
+    """
+    m = _bool(mask)
+    masked = torch.where(
+        m, loss_matrix, torch.zeros((), dtype=loss_matrix.dtype, device=loss_matrix.device)
+    )
+    n_seqs = num_seqs if num_seqs is not None else loss_matrix.shape[0]
+    if mode == "token-mean":
+        denom = num_tokens if num_tokens is not None else m.sum().clamp(min=1)
+        return masked.sum() / denom
+    if mode == "seq-mean-token-sum":
+        return masked.sum() / max(n_seqs, 1)
+    if mode == "seq-mean-token-mean":
+        per_seq = masked.sum(-1) / m.sum(-1).clamp(min=1)
+        return per_seq.sum() / max(n_seqs, 1)
+    if mode == "seq-mean-token-sum-norm":
+        horizon = norm if norm is not None else loss_matrix.shape[-1]
+        return masked.sum() / (max(n_seqs, 1) * horizon)
+    raise ValueError(f"unknown aggregation mode {mode!r}; choose one of {AGG_MODES}")
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float | None = None,
+    dual_clip: float | None = None,
+    agg: str = "token-mean",
+    **agg_kwargs,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped surrogate (Schulman et al. 2017), per token then aggregated.
+
+    logprobs (with grad), old_logprobs, advantages, response_mask: (B, T).
+    ρ = exp(logp − logp_old) (log-ratio clamped to ±20); per token
+    ℓ = max(−A·ρ, −A·clip(ρ, 1 − clip_low, 1 + clip_high)); ``clip_high=None`` means
+    symmetric, a larger value is DAPO's clip-higher. ``dual_clip=c`` (Ye et al. 2019,
+    arXiv 1912.09729; c > 1) caps ℓ at −A·c where A < 0. ``agg`` and ``agg_kwargs`` go to
+    :func:`aggregate`.
+
+    Metrics (detached scalars, masked means over response tokens):
+
+    * ``clipfrac``: fraction of tokens where the clipped term is the binding max
+      (−A·clip(ρ) > −A·ρ), as OAI19/TRL/verl define it.
+    * ``dual_clipfrac``: fraction where the dual-clip cap binds (0 when off).
+    * ``approx_kl``: k3 estimate of KL(π_old ‖ π), mean of (ρ − 1) − log ρ (CleanRL); ≥ 0 and
+      exactly 0 when π = π_old.
+    * ``ratio_mean``, ``ratio_max``: of ρ.
+    """
+    _check_same_shape(
+        logprobs=logprobs,
+        old_logprobs=old_logprobs,
+        advantages=advantages,
+        response_mask=response_mask,
+    )
+    clip_high = clip_low if clip_high is None else clip_high
+    if dual_clip is not None and not dual_clip > 1.0:
+        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+    m = _bool(response_mask)
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    # Padding may hold anything; make it ρ = 1, A = 0 so nothing non-finite is computed there.
+    log_ratio = torch.where(m, logprobs - old_logprobs, zero)
+    log_ratio = log_ratio.clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT)
+    adv = torch.where(m, advantages, zero)
+    ratio = torch.exp(log_ratio)
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    per_token = torch.maximum(unclipped, clipped)
+    dual_hit = torch.zeros_like(m)
+    if dual_clip is not None:
+        cap = -adv * dual_clip
+        dual_hit = (adv < 0) & (per_token > cap)
+        per_token = torch.where(adv < 0, torch.minimum(per_token, cap), per_token)
+    loss = aggregate(per_token, m, agg, **agg_kwargs)
+    with torch.no_grad():
+        metrics = {
+            "clipfrac": masked_mean((clipped > unclipped).to(logprobs.dtype), m),
+            "dual_clipfrac": masked_mean(dual_hit.to(logprobs.dtype), m),
+            "approx_kl": masked_mean((ratio - 1.0) - log_ratio, m),
+            "ratio_mean": masked_mean(ratio, m),
+            "ratio_max": torch.where(m, ratio, zero).max(),
+        }
+    return loss, metrics
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_range: float | None = 0.2,
+    agg: str = "token-mean",
+    **agg_kwargs,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped value loss ½·max((V − R)², (V_clip − R)²), V_clip = V_old + clip(V − V_old, ±c).
+
+    values (with grad), old_values, returns, response_mask: (B, T). ``clip_range=None`` gives
+    the plain ½(V − R)². The clip is in reward units (OAI19 0.2; verl/OpenRLHF 0.5).
+
+    Metrics: ``vf_clipfrac`` = fraction of tokens where the clipped error is the larger;
+    ``explained_variance`` = 1 − Var(R − V_old)/Var(R) over response tokens (0 when Var(R) = 0);
+    ``value_mean``, ``return_mean``.
+    """
+    _check_same_shape(
+        values=values, old_values=old_values, returns=returns, response_mask=response_mask
+    )
+    m = _bool(response_mask)
+    zero = torch.zeros((), dtype=values.dtype, device=values.device)
+    v = torch.where(m, values, zero)
+    v_old = torch.where(m, old_values, zero)
+    ret = torch.where(m, returns, zero)
+    err = (v - ret).pow(2)
+    if clip_range is None:
+        per_token = err
+        clip_hit = torch.zeros_like(m)
+    else:
+        v_clipped = v_old + torch.clamp(v - v_old, -clip_range, clip_range)
+        err_clipped = (v_clipped - ret).pow(2)
+        per_token = torch.maximum(err, err_clipped)
+        clip_hit = err_clipped > err
+    loss = 0.5 * aggregate(per_token, m, agg, **agg_kwargs)
+    with torch.no_grad():
+        var_ret = masked_var(ret, m)
+        resid = masked_var(ret - v_old, m)
+        explained = torch.where(var_ret > 0, 1.0 - resid / var_ret.clamp(min=1e-12), zero)
+        metrics = {
+            "vf_clipfrac": masked_mean(clip_hit.to(values.dtype), m),
+            "explained_variance": explained,
+            "value_mean": masked_mean(v, m),
+            "return_mean": masked_mean(ret, m),
+        }
+    return loss, metrics
+
+
+def dpo_loss(
+    policy_chosen_logps: torch.Tensor,
+    policy_rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor,
+    ref_rejected_logps: torch.Tensor,
+    beta: float = 0.1,
+    loss_type: str = "sigmoid",
+    label_smoothing: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Direct preference optimisation losses per pair.
+
+    All inputs (N,): summed log-probs of each whole answer. With
+    h = (logπ(y_w) − logπ_ref(y_w)) − (logπ(y_l) − logπ_ref(y_l)):
+
+    * ``"sigmoid"`` (Rafailov et al. 2023): −log σ(β·h); with ``label_smoothing`` ε the
+      conservative-DPO mix −(1−ε)·log σ(βh) − ε·log σ(−βh).
+    * ``"ipo"`` (Azar et al. 2023): (h − 1/(2β))². The paper uses length-averaged log-probs;
+      pass those if you want that variant.
+
+    Returns ``(losses, chosen_rewards, rejected_rewards)``, each (N,); the implicit rewards
+    β·(logπ − logπ_ref) are detached.
+    """
+    if not beta > 0:
+        raise ValueError(f"beta must be > 0, got {beta}")
+    if not 0.0 <= label_smoothing < 0.5:
+        raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
+    chosen_ratio = policy_chosen_logps - ref_chosen_logps
+    rejected_ratio = policy_rejected_logps - ref_rejected_logps
+    h = chosen_ratio - rejected_ratio
+    if loss_type == "sigmoid":
+        losses = -(1.0 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(
+            -beta * h
+        )
+    elif loss_type == "ipo":
+        if label_smoothing:
+            raise ValueError("label_smoothing applies to the sigmoid loss only")
+        losses = (h - 1.0 / (2.0 * beta)).pow(2)
+    else:
+        raise ValueError(f"unknown DPO loss_type {loss_type!r}; choose 'sigmoid' or 'ipo'")
+    return losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
+
+
+def pairwise_reward_loss(
+    chosen_scores: torch.Tensor,
+    rejected_scores: torch.Tensor,
+    margin: torch.Tensor | float | None = None,
+) -> torch.Tensor:
+    """Bradley-Terry reward-model loss: mean of −log σ(s_chosen − s_rejected − margin).
+
+    chosen_scores, rejected_scores: (N,); margin: None, a float or (N,) (Llama-2's margin
+    loss, Touvron et al. 2023 §3.2.2). Returns a scalar.
+    """
+    _check_same_shape(chosen_scores=chosen_scores, rejected_scores=rejected_scores)
+    diff = chosen_scores - rejected_scores
+    if margin is not None:
+        diff = diff - margin
+    return -F.logsigmoid(diff).mean()
+
+
+# --------------------------------------------------------------------------- KL controllers
+
+
+class FixedKLController:
+    """A constant β. Same interface as :class:`AdaptiveKLController`."""
+
+    def __init__(self, kl_coef: float):
+        if kl_coef < 0:
+            raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
+        self.value = float(kl_coef)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """No-op: β stays fixed."""
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.value = float(state["value"])
+
+
+class AdaptiveKLController:
+    """Proportional β control towards a KL target (OAI19 §2.2, ``train_policy.py``).
+
+    e = clip(KL/target − 1, −0.2, 0.2); β ← β·(1 + e·n_steps/horizon).
+
+    Units: ``target`` must be in the units of the ``current_kl`` passed to :meth:`update`.
+    rlhflab's trainers pass the k1 KL *summed over each answer's tokens and averaged over the
+    batch* — nats per sequence, OAI19's unit (their target was 6). verl passes a per-token
+    mean instead, so its targets are ~T times smaller. ``n_steps`` is the number of answers
+    in the rollout batch and ``horizon`` is in answers (OAI19: 10 000).
+    """
+
+    def __init__(self, init_kl_coef: float, target: float, horizon: float):
+        if init_kl_coef <= 0 or target <= 0 or horizon <= 0:
+            raise ValueError(
+                f"init_kl_coef, target and horizon must be > 0, got {init_kl_coef}, {target}, "
+                f"{horizon}"
+            )
+        self.value = float(init_kl_coef)
+        self.target = float(target)
+        self.horizon = float(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value, "target": self.target, "horizon": self.horizon}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.value = float(state["value"])
+        self.target = float(state["target"])
+        self.horizon = float(state["horizon"])
