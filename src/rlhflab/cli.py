@@ -1,16 +1,82 @@
-"""The `rlhflab` command line: one sub-command per stage."""
+"""The `rlhflab` command line: one sub-command per stage.
+
+Every command that takes ``--config FILE`` also takes dotted overrides after it, e.g.
+``rlhflab ppo --config examples/tiny_ppo.yaml ppo.lr=3e-5 rollout.max_new_tokens=16``.
+Known user errors (bad config, data, model folder, reward function) print one clear line
+and exit with status 2 — never a bare traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML config file")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rlhflab", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="rlhflab", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--version", action="store_true", help="print the version and exit")
-    parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _config_args(sub.add_parser("memory", help="bytes of each model in the configured cast"))
+    sub.add_parser("config", help="print every PPO config field with its default and why")
+    ppo = sub.add_parser("ppo", help="PPO against a reward model")
+    _config_args(ppo)
+    ppo.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     return parser
+
+
+def cmd_memory(args) -> int:
+    from rlhflab.cast import build_cast
+    from rlhflab.config import load_config
+    from rlhflab.memory import cast_memory, format_table, peak_rss_bytes
+
+    cfg = load_config(args.config, args.overrides)
+    cast = build_cast(cfg)
+    print(format_table(cast_memory(cast), peak_rss_bytes()))
+    return 0
+
+
+def cmd_config(args) -> int:
+    from rlhflab.config import Config
+    from rlhflab.configbase import describe
+
+    print("\n".join(describe(Config)))
+    return 0
+
+
+def cmd_ppo(args) -> int:
+    from rlhflab.config import load_config
+    from rlhflab.trainers.ppo import train
+
+    cfg = load_config(args.config, args.overrides)
+    summary = train(cfg, resume=args.resume)
+    print(f"done: {summary['iterations']} iterations, output in {cfg.log.output_dir}")
+    return 0
+
+
+COMMANDS = {"memory": cmd_memory, "config": cmd_config, "ppo": cmd_ppo}
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    from rlhflab.configbase import ConfigError
+    from rlhflab.models import ModelLoadError
+    from rlhflab.rewards import RewardError
+
+    errors: list[type[BaseException]] = [ConfigError, ModelLoadError, RewardError]
+    try:
+        from rlhflab.data import DataError
+
+        errors.append(DataError)
+    except ImportError:
+        pass
+    return tuple(errors)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,8 +87,15 @@ def main(argv: list[str] | None = None) -> int:
 
         print(__version__)
         return 0
-    parser.print_help()
-    return 0
+    if args.command is None:
+        parser.print_help()
+        return 0
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        return COMMANDS[args.command](args)
+    except user_errors() as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,0 +1,146 @@
+"""The four-model cast of PPO for RLHF, built from the config.
+
+policy (trained) · reference (frozen initial policy, for the KL penalty) · reward (scores a
+finished answer) · critic (trained, for GAE). :func:`build_cast` applies every memory lever
+the config asks for: shared policy/value backbone, a smaller critic, low-precision or int8
+frozen models, CPU offload, and LoRA with the adapter-disabled base as the reference.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from rlhflab import models as M
+from rlhflab.config import Config
+from rlhflab.rewards import CompositeReward, FunctionReward, ModelReward
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise M.ModelLoadError("device: 'cuda' requested but no CUDA device is available")
+    return torch.device(name)
+
+
+@dataclass
+class ModelCast:
+    tokenizer: object
+    policy: nn.Module  # a causal LM (maybe LoRA-wrapped) or PolicyWithValueHead when shared
+    critic: nn.Module | None  # sequence-classification critic; None with a shared backbone
+    reference: object  # callable like a causal LM; frozen
+    reward: CompositeReward
+    device: torch.device
+    value_layout: str  # shared | separate | from_reward
+
+    @property
+    def policy_lm(self) -> nn.Module:
+        """The causal LM inside the policy (for generation and saving)."""
+        return self.policy.lm if isinstance(self.policy, M.PolicyWithValueHead) else self.policy
+
+    @property
+    def shared(self) -> bool:
+        return self.critic is None
+
+    def models(self) -> dict[str, object]:
+        out = {"policy": self.policy, "reference": self.reference}
+        if self.critic is not None:
+            out["critic"] = self.critic
+        for source, _ in self.reward.sources:
+            if isinstance(source, ModelReward):
+                out["reward"] = source.model
+        return out
+
+
+def _reward_sources(cfg: Config, tokenizer, device, rm=None, rm_tokenizer=None):
+    sources = []
+    if rm is not None:
+        names = [rm.config.id2label[i] for i in range(rm.config.num_labels)]
+        unknown = [h for h in cfg.reward.heads if h not in names]
+        if unknown:
+            raise M.ModelLoadError(f"reward.heads: {unknown} not among the model's heads {names}")
+        heads = cfg.reward.heads or {h: 1.0 for h in names}
+        source = ModelReward(
+            rm, rm_tokenizer, tokenizer, device=device, micro_batch=cfg.rollout.score_micro_batch
+        )
+        sources.append((source, {f"rm/{h}": w for h, w in heads.items()}))
+    for spec, weight in cfg.reward.functions.items():
+        sources.append((FunctionReward(spec), weight))
+    return sources
+
+
+def head_weight_vector(rm, heads: dict[str, float]) -> torch.Tensor:
+    names = [rm.config.id2label[i] for i in range(rm.config.num_labels)]
+    return torch.tensor([heads.get(n, 0.0) if heads else 1.0 for n in names])
+
+
+def build_cast(cfg: Config, device: torch.device | None = None) -> ModelCast:
+    device = device or resolve_device(cfg.device)
+    mc = cfg.model
+    policy_path = M.resolve_path(mc.policy, "model.policy")
+    tokenizer = M.load_tokenizer(policy_path, mc.trust_remote_code)
+    lm = M.load_causal_lm(policy_path, tokenizer, mc.trust_remote_code)
+
+    # Reward model first: a critic may be initialised from it before it is cast to low precision.
+    rm = rm_tokenizer = None
+    if cfg.reward.model:
+        rm_path = M.resolve_path(cfg.reward.model, "reward.model")
+        rm_tokenizer = M.load_tokenizer(rm_path, mc.trust_remote_code)
+        rm = M.load_sequence_classifier(rm_path, rm_tokenizer, mc.trust_remote_code)
+
+    layout = mc.value_model
+    if layout == "auto":
+        layout = (
+            "from_reward"
+            if rm is not None and M.same_tokenizer(rm_tokenizer, tokenizer)
+            else "separate"
+        )
+    critic = None
+    if layout == "from_reward":
+        if not M.same_tokenizer(rm_tokenizer, tokenizer):
+            raise M.ModelLoadError(
+                "model.value_model: 'from_reward' needs the reward model to "
+                "share the policy's tokenizer; use 'separate'"
+            )
+        critic = M.critic_from_reward_model(rm, head_weight_vector(rm, cfg.reward.heads))
+    elif layout == "separate":
+        critic_path = M.resolve_path(mc.critic, "model.critic") if mc.critic else policy_path
+        critic_tok = M.load_tokenizer(critic_path, mc.trust_remote_code)
+        if not M.same_tokenizer(critic_tok, tokenizer):
+            raise M.ModelLoadError(
+                f"model.critic: {critic_path} does not share the policy's "
+                "tokenizer; the critic reads the policy's token ids"
+            )
+        critic = M.critic_from_causal_lm(critic_path, tokenizer, mc.trust_remote_code)
+
+    if mc.lora_r > 0:
+        lm = M.apply_lora(lm, mc.lora_r, mc.lora_alpha, mc.lora_targets)
+    reference = M.make_reference(lm, mc.reference_precision, mc.offload_frozen, device)
+
+    if rm is not None:
+        rm = M.freeze(
+            M.set_precision(rm, mc.reward_precision, "cpu" if mc.offload_frozen else device)
+        )
+        if mc.offload_frozen:
+            rm = M.Offloaded(rm, device)
+        elif mc.reward_precision != "int8":
+            rm = rm.to(device)
+    policy = M.PolicyWithValueHead(lm) if layout == "shared" else lm
+    policy.to(device).train()
+    if critic is not None:
+        critic.to(device).train()
+    reward = CompositeReward(_reward_sources(cfg, tokenizer, device, rm, rm_tokenizer))
+    log.info(
+        "cast built: value layout %s, reference %s%s, device %s",
+        layout,
+        mc.reference_precision,
+        " (offloaded)" if mc.offload_frozen else "",
+        device,
+    )
+    return ModelCast(tokenizer, policy, critic, reference, reward, device, layout)

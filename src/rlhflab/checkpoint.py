@@ -1,0 +1,110 @@
+"""Atomic checkpoints that resume bit-identically.
+
+``checkpoints/step-N/`` holds ``policy/`` (an HF folder in safetensors with the tokenizer;
+a LoRA policy saves its adapter there), ``value_head.safetensors`` (shared backbone) or
+``critic/`` (an HF sequence-classification folder), and ``state.pt``: optimisers,
+schedulers, KL controller, RNG states, data position and step — plain tensors and numbers
+only, loaded with ``weights_only=True`` so nothing arbitrary is ever unpickled.
+A checkpoint is written under ``step-N.tmp`` and renamed when complete, so a run killed at
+any moment leaves only complete checkpoints behind.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from rlhflab.models import PolicyWithValueHead
+
+_STEP = re.compile(r"^step-(\d+)$")
+
+
+def _save_lm(lm, folder: Path, tokenizer) -> None:
+    lm.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+
+
+def save_checkpoint(run_dir: Path, step: int, cast, state: dict, keep_last: int) -> Path:
+    root = Path(run_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step}"
+    tmp = root / f"step-{step}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    _save_lm(cast.policy_lm, tmp / "policy", cast.tokenizer)
+    if isinstance(cast.policy, PolicyWithValueHead):
+        head = {k: v.detach().contiguous() for k, v in cast.policy.value_head.state_dict().items()}
+        save_file(head, str(tmp / "value_head.safetensors"))
+    if cast.critic is not None:
+        _save_lm(cast.critic, tmp / "critic", cast.tokenizer)
+    torch.save(state, tmp / "state.pt")
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+    for old in list_checkpoints(run_dir)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first (``.tmp`` folders are incomplete and ignored)."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.exists():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def _load_into(model, folder: Path) -> None:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder}: no safetensors weights")
+    weights = {}
+    for f in files:
+        weights.update(load_file(str(f)))
+    if hasattr(model, "peft_config"):
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(model, weights)
+        return
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    if unexpected or set(missing) - tied:
+        raise RuntimeError(
+            f"{folder}: weights do not match the model "
+            f"(missing {sorted(set(missing) - tied)[:3]}, unexpected {unexpected[:3]})"
+        )
+
+
+def load_checkpoint(path: Path, cast) -> dict:
+    """Load weights into the cast in place and return the training state."""
+    _load_into(cast.policy_lm, path / "policy")
+    if isinstance(cast.policy, PolicyWithValueHead):
+        cast.policy.value_head.load_state_dict(load_file(str(path / "value_head.safetensors")))
+    if cast.critic is not None:
+        _load_into(cast.critic, path / "critic")
+    return torch.load(path / "state.pt", weights_only=True)
+
+
+def rng_state(generators: dict[str, torch.Generator]) -> dict:
+    import random
+
+    return {
+        "torch": torch.get_rng_state(),
+        "python": list(random.getstate()[1]),
+        **{f"gen_{k}": g.get_state() for k, g in generators.items()},
+    }
+
+
+def restore_rng(state: dict, generators: dict[str, torch.Generator]) -> None:
+    import random
+
+    torch.set_rng_state(state["torch"])
+    py = random.getstate()
+    random.setstate((py[0], tuple(int(x) for x in state["python"]), py[2]))
+    for k, g in generators.items():
+        g.set_state(state[f"gen_{k}"])

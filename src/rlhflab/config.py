@@ -1,0 +1,333 @@
+"""The one typed config tree of rlhflab, with every field's default and the reason for it.
+
+Load it with :func:`load_config` (YAML file + dotted ``key=value`` overrides); print it with
+``rlhflab config``. References in the docs: ``shared/docs/ppo-details.md`` section numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlhflab import configbase
+from rlhflab.configbase import ConfigError, section, setting
+
+PRECISIONS = ("fp32", "bf16", "fp16", "int8")
+
+
+@dataclass
+class ModelConfig:
+    policy: str = setting(
+        "preset:tiny",
+        "Policy to train: a local Hugging Face causal-LM folder, or 'preset:NAME' for a built-in "
+        "Llama-style model (nano, tiny, small, medium) made without any download.",
+    )
+    trust_remote_code: bool = setting(
+        False, "Allow model folders to run their own Python code. Off: it executes arbitrary code."
+    )
+    value_model: str = setting(
+        "auto",
+        "Critic layout. 'shared': a value head on the policy's backbone (OAI19; least memory). "
+        "'separate': its own backbone from `critic` (or a copy of the policy). 'from_reward': "
+        "initialised from the reward model, head included (N+, InstructGPT). 'auto' = "
+        "from_reward when a reward model is configured, else separate (ppo-details §6.4).",
+        choices=("auto", "shared", "separate", "from_reward"),
+    )
+    critic: str | None = setting(
+        None,
+        "Causal-LM folder for a 'separate' critic; may be smaller than the policy but must "
+        "share its tokenizer. Default: a copy of the policy.",
+    )
+    vf_coef: float = setting(
+        0.1,
+        "Weight of the value loss in the combined loss of a shared backbone (OAI19, N+: 0.1).",
+        low=0.0,
+    )
+    reference_precision: str = setting(
+        "fp32",
+        "Precision of the frozen reference: fp32, bf16, fp16, or int8 (dynamic "
+        "quantisation of Linear layers on CPU). Lower saves memory; the KL gets noisier.",
+        choices=PRECISIONS,
+    )
+    reward_precision: str = setting(
+        "fp32",
+        "Precision of the frozen reward model (same choices as reference_precision).",
+        choices=PRECISIONS,
+    )
+    offload_frozen: bool = setting(
+        False,
+        "Keep reference and reward model on the CPU; move each to the accelerator only for "
+        "its forward pass. No effect on a CPU-only run.",
+    )
+    lora_r: int = setting(
+        0,
+        "LoRA rank for the policy (0 = full fine-tuning). With LoRA the reference is the base "
+        "model with the adapter disabled: no second copy in memory.",
+        low=0,
+    )
+    lora_alpha: float = setting(
+        16.0, "LoRA scaling alpha (the update is scaled by alpha/r).", low=0.0, low_open=True
+    )
+    lora_targets: list[str] = setting(
+        ["q_proj", "k_proj", "v_proj", "o_proj"], "Module names LoRA adapts."
+    )
+
+
+@dataclass
+class RewardConfig:
+    model: str | None = setting(
+        None,
+        "Reward model: a Hugging Face sequence-classification folder (one output per head). "
+        "Its score is read at the last real token.",
+    )
+    heads: dict[str, float] = setting(
+        {},
+        "Weight of each reward-model head by name (from the model's id2label), combined into "
+        "the scalar the policy optimises. Empty: every head with weight 1.",
+    )
+    functions: dict[str, float] = setting(
+        {},
+        "Programmatic rewards 'module:function' → weight. The function takes (prompts, "
+        "responses) and returns one float per answer, or a dict of named lists of floats.",
+    )
+    missing_eos_penalty: float | None = setting(
+        None,
+        "Subtracted from the score of an answer that hit max_new_tokens without EOS (TRL "
+        "PPO's choice; OAI19 replaced the score with −1). None: off.",
+        low=0.0,
+    )
+    normalize: str = setting(
+        "none",
+        "Score normalisation before shaping: 'batch' whitens scores over the rollout "
+        "batch, 'running' divides by a running std (MOSS), 'none' (N+, TRL; ppo-details §4.6).",
+        choices=("none", "batch", "running"),
+    )
+    clip: float | None = setting(
+        None,
+        "Clip normalised scores to ±clip (MOSS uses 5). None: no clipping.",
+        low=0.0,
+        low_open=True,
+    )
+
+
+@dataclass
+class RolloutConfig:
+    prompts_per_iteration: int = setting(
+        16,
+        "Answers sampled per PPO iteration. Larger batches tame the noise of one score per "
+        "answer (pain point three).",
+        low=1,
+    )
+    max_prompt_tokens: int = setting(
+        64, "Longest prompt in tokens; longer ones are a data error.", low=1
+    )
+    max_new_tokens: int = setting(32, "Answer length limit; answers cut here have no EOS.", low=1)
+    temperature: float = setting(
+        1.0,
+        "Sampling temperature; every log-prob in training uses the same one (N+ detail).",
+        low=0.0,
+        low_open=True,
+    )
+    top_k: int = setting(
+        0,
+        "Top-k sampling (0 = off). Off by default: a truncated sampler makes the training "
+        "log-probs differ from the sampling distribution (OAI19, N+ use neither).",
+        low=0,
+    )
+    top_p: float = setting(
+        1.0, "Nucleus sampling (1.0 = off); same caveat as top_k.", low=0.0, high=1.0, low_open=True
+    )
+    score_micro_batch: int = setting(
+        32, "Sequences per no-grad forward pass when scoring rollouts (memory vs speed).", low=1
+    )
+
+
+@dataclass
+class PPOConfig:
+    iterations: int = setting(20, "Rollout-then-train iterations.", low=1)
+    epochs: int = setting(4, "Passes over each rollout batch (OAI19, N+, TRL: 4).", low=1)
+    minibatches: int = setting(
+        1,
+        "Optimiser steps per epoch; must divide prompts_per_iteration. With 1 epoch and 1 "
+        "minibatch the ratio is always 1 and clipping never binds.",
+        low=1,
+    )
+    micro_batch_size: int | None = setting(
+        None,
+        "Gradient-accumulation chunk (sequences); None = the whole minibatch. Results do "
+        "not depend on it: the loss is normalised by the minibatch's global token count.",
+        low=1,
+    )
+    clip_low: float = setting(0.2, "PPO clip ε below 1 (all sources: 0.2).", low=0.0)
+    clip_high: float | None = setting(
+        None, "PPO clip above 1; None = clip_low. DAPO's clip-higher uses 0.28.", low=0.0
+    )
+    dual_clip: float | None = setting(
+        None,
+        "Dual-clip bound c for negative advantages (Ye et al. 2019; c = 3). Off: vanilla PPO.",
+        low=1.0,
+        low_open=True,
+    )
+    value_clip: float | None = setting(
+        0.2,
+        "Value-loss clip in reward units (OAI19, N+, TRL 0.2; verl 0.5). None: unclipped.",
+        low=0.0,
+    )
+    gamma: float = setting(
+        1.0, "Discount; 1 because the episode is one answer (OAI19).", low=0.0, high=1.0
+    )
+    lam: float = setting(0.95, "GAE λ (OAI19, N+, TRL 0.95; verl 1.0).", low=0.0, high=1.0)
+    whiten_advantages: bool = setting(True, "Whiten advantages over the rollout batch (OAI19).")
+    whiten_rewards: bool = setting(
+        False, "Scale-only whitening of shaped per-token rewards (OAI19 on; N+, TRL off)."
+    )
+    kl_coef: float = setting(
+        0.05,
+        "β of the KL penalty (N+, TRL: 0.05). The initial value when kl_target is set.",
+        low=0.0,
+    )
+    kl_target: float | None = setting(
+        None,
+        "Adaptive KL control target in nats per answer (summed over its tokens; OAI19 "
+        "used 6). None: β stays fixed.",
+        low=0.0,
+        low_open=True,
+    )
+    kl_horizon: float = setting(
+        10000.0, "Adaptive controller horizon in answers (OAI19).", low=0.0, low_open=True
+    )
+    kl_estimator: str = setting(
+        "k1",
+        "KL estimator: k1 in the reward is the correct gradient; in the loss use k2 or k3+ "
+        "(ppo-details §3.4).",
+        choices=("k1", "k2", "k3", "k3+", "abs"),
+    )
+    kl_placement: str = setting(
+        "reward",
+        "'reward': −β·KL per token flows through GAE (PPO-RLHF standard). 'loss': "
+        "β·KL added to the policy loss, differentiated (GRPO style).",
+        choices=("reward", "loss"),
+    )
+    entropy_coef: float = setting(
+        0.0, "Entropy bonus; 0 in RLHF (OAI19, N+, verl). Logged anyway.", low=0.0
+    )
+    loss_agg: str = setting(
+        "token-mean",
+        "Loss aggregation (ppo-details §5.6).",
+        choices=(
+            "token-mean",
+            "seq-mean-token-sum",
+            "seq-mean-token-mean",
+            "seq-mean-token-sum-norm",
+        ),
+    )
+    lr: float = setting(
+        1e-5,
+        "Policy learning rate (typical 1e-6..1e-5; tiny models need more).",
+        low=0.0,
+        low_open=True,
+    )
+    critic_lr: float = setting(
+        3e-5, "Critic learning rate; 3–10× the policy's is common.", low=0.0, low_open=True
+    )
+    lr_schedule: str = setting(
+        "constant",
+        "After warm-up: constant, linear decay, or cosine.",
+        choices=("constant", "linear", "cosine"),
+    )
+    warmup_steps: int = setting(0, "Linear learning-rate warm-up, in optimiser steps.", low=0)
+    max_grad_norm: float | None = setting(
+        1.0, "Global gradient-norm clip (verl, OpenRLHF 1.0).", low=0.0, low_open=True
+    )
+    adam_eps: float = setting(1e-5, "Adam ε (OAI19, N+, CleanRL use 1e-5).", low=0.0, low_open=True)
+    weight_decay: float = setting(0.0, "AdamW weight decay.", low=0.0)
+    max_bad_updates: int = setting(
+        3,
+        "Consecutive skipped updates (NaN/inf reward, loss or gradient) before the run stops "
+        "with a checkpoint of the last good state.",
+        low=1,
+    )
+
+
+@dataclass
+class DataConfig:
+    prompts: str | None = setting(
+        None,
+        "Prompt file: .jsonl, .parquet or .csv with a `prompt` string or chat `messages` "
+        "per row. None: the built-in task's prompts.",
+    )
+    prompt_field: str = setting("prompt", "Column holding the prompt text.")
+    messages_field: str = setting(
+        "messages", "Column holding chat messages (rendered with the tokenizer's chat template)."
+    )
+    on_bad_row: str = setting(
+        "error",
+        "A malformed, empty or too-long row: 'error' stops with file, line and field; "
+        "'skip' drops it and counts it in the log.",
+        choices=("error", "skip"),
+    )
+    task: str = setting("mixed", "Built-in task family used when `prompts` is None.")
+
+
+@dataclass
+class LogConfig:
+    output_dir: str = setting(
+        "runs/ppo", "Run directory: config, metrics.jsonl, samples.jsonl, checkpoints/."
+    )
+    tensorboard: bool = setting(False, "Also write TensorBoard events (needs tensorboard).")
+    wandb: bool = setting(False, "Also log to Weights & Biases (needs wandb installed).")
+    sample_every: int = setting(5, "Write sample generations every N iterations.", low=1)
+    samples_per_log: int = setting(4, "How many samples each time.", low=0)
+    checkpoint_every: int = setting(10, "Checkpoint every N iterations (and at the end).", low=1)
+    keep_last: int = setting(2, "Checkpoints kept; older ones are deleted.", low=1)
+    progress: bool = setting(True, "Show a progress bar.")
+
+
+@dataclass
+class Config:
+    seed: int = setting(0, "Seed for sampling, shuffling and initialisation.")
+    device: str = setting(
+        "auto", "'auto' (cuda when available), 'cpu' or 'cuda'.", choices=("auto", "cpu", "cuda")
+    )
+    threads: int = setting(0, "torch CPU threads (0 = torch's default).", low=0)
+    model: ModelConfig = section(ModelConfig, "The four-model cast.")
+    reward: RewardConfig = section(RewardConfig, "Where scores come from.")
+    rollout: RolloutConfig = section(RolloutConfig, "Sampling.")
+    ppo: PPOConfig = section(PPOConfig, "The PPO update.")
+    data: DataConfig = section(DataConfig, "Prompts.")
+    log: LogConfig = section(LogConfig, "Run directory, logging and checkpoints.")
+
+
+def validate(cfg: Config) -> Config:
+    """Cross-field checks that single-field bounds cannot express."""
+    if cfg.rollout.prompts_per_iteration % cfg.ppo.minibatches:
+        raise ConfigError(
+            f"ppo.minibatches: {cfg.ppo.minibatches} does not divide "
+            f"rollout.prompts_per_iteration={cfg.rollout.prompts_per_iteration}"
+        )
+    mb = cfg.rollout.prompts_per_iteration // cfg.ppo.minibatches
+    if cfg.ppo.micro_batch_size is not None and mb % cfg.ppo.micro_batch_size:
+        raise ConfigError(
+            f"ppo.micro_batch_size: {cfg.ppo.micro_batch_size} does not divide the minibatch "
+            f"of {mb} answers"
+        )
+    if cfg.model.value_model == "from_reward" and not cfg.reward.model:
+        raise ConfigError("model.value_model: 'from_reward' needs reward.model to be set")
+    if cfg.model.critic and cfg.model.value_model not in ("separate", "auto"):
+        raise ConfigError("model.critic: only used with value_model 'separate'")
+    if not cfg.reward.model and not cfg.reward.functions:
+        raise ConfigError("reward: set reward.model or reward.functions (or both)")
+    if cfg.reward.heads and not cfg.reward.model:
+        raise ConfigError("reward.heads: head weights need reward.model")
+    if cfg.ppo.kl_placement == "reward" and cfg.ppo.kl_estimator not in ("k1", "k3", "abs"):
+        raise ConfigError(
+            f"ppo.kl_estimator: {cfg.ppo.kl_estimator!r} is a loss-side estimator; in the reward "
+            "use k1 (ppo-details §3.4)"
+        )
+    return cfg
+
+
+def load_config(path=None, overrides=None, base: dict | None = None) -> Config:
+    return validate(configbase.load(Config, path, overrides, base))
+
+
+__all__ = ["Config", "ConfigError", "load_config", "validate"]

@@ -1,0 +1,203 @@
+"""A small typed-config engine: dataclasses + YAML + dotted ``key=value`` overrides.
+
+Every field is declared with :func:`setting`, which carries its documentation and its
+constraints, so that validation, ``--help`` text and error messages all come from one place.
+Errors always name the full dotted field (``ppo.clip_low``), never a bare traceback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message names the offending field."""
+
+
+def setting(
+    default: Any,
+    doc: str,
+    *,
+    choices: tuple | None = None,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+) -> Any:
+    """Declare a config field with its documentation and constraints.
+
+    ``choices``: allowed values. ``low``/``high``: inclusive bounds (``low_open`` makes the
+    lower bound strict, e.g. a learning rate must be > 0).
+    """
+    meta = {"doc": doc, "choices": choices, "low": low, "high": high, "low_open": low_open}
+    if isinstance(default, (list, dict)):
+        return dataclasses.field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def section(cls: type, doc: str) -> Any:
+    """Declare a nested config section."""
+    return dataclasses.field(default_factory=cls, metadata={"doc": doc, "section": True})
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp).replace("typing.", ""))
+
+
+def _coerce(value: Any, tp: Any, name: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; only lossless conversions (int → float)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, name)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(f"{name}: expected {_type_name(tp)}, got {value!r}")
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{name}: expected a list, got {value!r}")
+        (item,) = typing.get_args(tp) or (Any,)
+        return [_coerce(v, item, f"{name}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{name}: expected a mapping, got {value!r}")
+        key_t, val_t = typing.get_args(tp) or (Any, Any)
+        return {_coerce(k, key_t, name): _coerce(v, val_t, f"{name}.{k}") for k, v in value.items()}
+    if tp is Any:
+        return value
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is bool and not isinstance(value, bool):
+        raise ConfigError(f"{name}: expected true or false, got {value!r}")
+    if tp is int and isinstance(value, bool):
+        raise ConfigError(f"{name}: expected an integer, got {value!r}")
+    if isinstance(tp, type) and not isinstance(value, tp):
+        raise ConfigError(f"{name}: expected {_type_name(tp)}, got {value!r}")
+    return value
+
+
+def _check_bounds(value: Any, meta: dict, name: str) -> None:
+    if value is None:
+        return
+    if meta.get("choices") is not None and value not in meta["choices"]:
+        raise ConfigError(f"{name}: {value!r} is not one of {list(meta['choices'])}")
+    low, high = meta.get("low"), meta.get("high")
+    if low is not None and (value < low or (meta.get("low_open") and value == low)):
+        rel = ">" if meta.get("low_open") else ">="
+        raise ConfigError(f"{name}: must be {rel} {low}, got {value!r}")
+    if high is not None and value > high:
+        raise ConfigError(f"{name}: must be <= {high}, got {value!r}")
+
+
+def build(cls: type, data: dict | None, prefix: str = "") -> Any:
+    """Build the dataclass ``cls`` from a nested mapping, rejecting unknown keys."""
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"unknown config key {prefix}{unknown[0]}; known keys here: {sorted(fields)}"
+        )
+    kwargs = {}
+    for key, value in data.items():
+        name = prefix + key
+        if fields[key].metadata.get("section"):
+            kwargs[key] = build(hints[key], value, name + ".")
+        else:
+            kwargs[key] = _coerce(value, hints[key], name)
+    obj = cls(**kwargs)
+    for f in dataclasses.fields(cls):
+        if not f.metadata.get("section"):
+            _check_bounds(getattr(obj, f.name), f.metadata, prefix + f.name)
+    return obj
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``a.b.c=value`` → (["a", "b", "c"], value parsed as YAML: 3, 0.1, true, null, [1, 2])."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like key.sub=value")
+    key, raw = text.split("=", 1)
+    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else ""
+
+
+def merge_overrides(data: dict, overrides: list[str]) -> dict:
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {text!r}: {part} is not a section")
+        node[path[-1]] = value
+    return data
+
+
+def load(
+    cls: type,
+    path: str | Path | None = None,
+    overrides: list[str] | None = None,
+    base: dict | None = None,
+) -> Any:
+    """Load ``cls`` from a YAML file (optional) on top of ``base``, then apply overrides."""
+    data: dict = _deep_copy(base or {})
+    if path is not None:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+        try:
+            loaded = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+        data = _deep_merge(data, loaded)
+    data = merge_overrides(data, overrides or [])
+    return build(cls, data)
+
+
+def _deep_copy(d: dict) -> dict:
+    return {k: _deep_copy(v) if isinstance(v, dict) else v for k, v in d.items()}
+
+
+def _deep_merge(a: dict, b: dict) -> dict:
+    out = _deep_copy(a)
+    for k, v in b.items():
+        out[k] = (
+            _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        )
+    return out
+
+
+def to_dict(obj: Any) -> dict:
+    return dataclasses.asdict(obj)
+
+
+def describe(cls: type, prefix: str = "") -> list[str]:
+    """One line per field: dotted name, default, documentation (for ``rlhflab config``)."""
+    lines = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        name = prefix + f.name
+        if f.metadata.get("section"):
+            lines.append(f"[{name}] {f.metadata['doc']}")
+            lines.extend(describe(hints[f.name], name + "."))
+        else:
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            lines.append(f"  {name} = {default!r}: {f.metadata.get('doc', '')}")
+    return lines

@@ -1,0 +1,221 @@
+"""Prompt and preference data from JSONL, Parquet or CSV, with errors that name file, line, field.
+
+A prompt row holds a ``prompt`` string or chat ``messages`` (a list of {role, content}),
+rendered with the tokenizer's chat template. A malformed row, a missing field, an empty
+prompt or one longer than the prompt limit is a :class:`DataError` naming the file, the line
+and the field — or, with ``on_bad_row='skip'``, dropped and counted.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+class DataError(ValueError):
+    """Bad input data; the message names the file, line and field."""
+
+
+def iter_rows(path: str | Path) -> Iterator[tuple[int, dict]]:
+    """(line number, row) pairs. JSONL lines and CSV rows are numbered as a text editor shows
+    them (CSV: the header is line 1); Parquet rows from 1."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"{path}: no such file")
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".json"):
+        with path.open(encoding="utf-8") as f:
+            for n, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    yield n, DataError(f"{path}:{n}: not valid JSON ({exc.msg})")
+                    continue
+                yield (
+                    n,
+                    row
+                    if isinstance(row, dict)
+                    else DataError(f"{path}:{n}: expected a JSON object, got {type(row).__name__}"),
+                )
+    elif suffix == ".csv":
+        with path.open(encoding="utf-8", newline="") as f:
+            reader = csv.DictReader(f)
+            for row in reader:
+                yield reader.line_num, row
+    elif suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise DataError(
+                f"{path}: reading Parquet needs pyarrow (pip install 'rlhflab[data]')"
+            ) from None
+        for n, row in enumerate(pq.read_table(path).to_pylist(), start=1):
+            yield n, row
+    else:
+        raise DataError(f"{path}: unsupported file type {suffix!r}; use .jsonl, .csv or .parquet")
+
+
+@dataclass
+class LoadReport:
+    rows: int = 0
+    skipped: int = 0
+    reasons: list[str] = field(default_factory=list)
+
+
+def _render_messages(messages, tokenizer, where: str) -> str:
+    if isinstance(messages, str):  # CSV cells hold JSON text
+        try:
+            messages = json.loads(messages)
+        except json.JSONDecodeError:
+            raise DataError(f"{where}: not a JSON list of messages") from None
+    if (
+        not isinstance(messages, list)
+        or not messages
+        or not all(
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
+            for m in messages
+        )
+    ):
+        raise DataError(f"{where}: expected a non-empty list of {{role, content}} strings")
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(f"{where}: chat messages need a tokenizer with a chat template")
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def load_prompts(
+    path,
+    tokenizer,
+    max_tokens: int,
+    prompt_field="prompt",
+    messages_field="messages",
+    on_bad_row="error",
+) -> tuple[list[str], LoadReport]:
+    """Read prompts; each must be non-empty and at most ``max_tokens`` tokens long."""
+    prompts, report = [], LoadReport()
+    for n, row in iter_rows(path):
+        try:
+            if isinstance(row, DataError):
+                raise row
+            prompts.append(
+                _prompt_from_row(
+                    row, tokenizer, max_tokens, f"{path}:{n}", prompt_field, messages_field
+                )
+            )
+            report.rows += 1
+        except DataError as exc:
+            if on_bad_row == "error":
+                raise
+            report.skipped += 1
+            report.reasons.append(str(exc))
+    if report.skipped:
+        log.warning("%s: skipped %d bad rows (first: %s)", path, report.skipped, report.reasons[0])
+    if not prompts:
+        raise DataError(f"{path}: no usable prompt rows")
+    return prompts, report
+
+
+def _prompt_from_row(row: dict, tokenizer, max_tokens, where, prompt_field, messages_field) -> str:
+    if row.get(prompt_field) not in (None, ""):
+        text = row[prompt_field]
+        if not isinstance(text, str):
+            raise DataError(
+                f"{where}: field '{prompt_field}' must be a string, got {type(text).__name__}"
+            )
+        name = prompt_field
+    elif row.get(messages_field) not in (None, ""):
+        name = messages_field
+        text = _render_messages(row[messages_field], tokenizer, f"{where}: field '{name}'")
+    elif prompt_field in row or messages_field in row:
+        raise DataError(f"{where}: field '{prompt_field}' is empty")
+    else:
+        raise DataError(f"{where}: missing field '{prompt_field}' (or '{messages_field}')")
+    if not text.strip():
+        raise DataError(f"{where}: field '{name}' is empty")
+    n_tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if n_tokens > max_tokens:
+        raise DataError(
+            f"{where}: field '{name}' is {n_tokens} tokens, over the limit of "
+            f"{max_tokens} (rollout.max_prompt_tokens)"
+        )
+    return text
+
+
+@dataclass
+class PreferencePair:
+    prompt: str
+    chosen: str
+    rejected: str
+    labels: dict = field(default_factory=dict)  # optional per-attribute labels in [0, 1]
+
+
+def load_preferences(path) -> list[PreferencePair]:
+    """Preference pairs with string fields ``prompt``, ``chosen``, ``rejected`` (and optional
+    ``labels``: attribute → 1 if chosen is better, 0 if worse, 0.5 for a tie)."""
+    pairs = []
+    for n, row in iter_rows(path):
+        if isinstance(row, DataError):
+            raise row
+        for key in ("prompt", "chosen", "rejected"):
+            if key not in row:
+                raise DataError(f"{path}:{n}: missing field '{key}'")
+            if not isinstance(row[key], str) or (key != "prompt" and not row[key].strip()):
+                raise DataError(f"{path}:{n}: field '{key}' must be a non-empty string")
+        labels = row.get("labels") or {}
+        if isinstance(labels, str):
+            labels = json.loads(labels)
+        if not isinstance(labels, dict) or not all(
+            isinstance(v, (int, float)) and 0 <= v <= 1 for v in labels.values()
+        ):
+            raise DataError(f"{path}:{n}: field 'labels' must map attributes to numbers in [0, 1]")
+        pairs.append(PreferencePair(row["prompt"], row["chosen"], row["rejected"], labels))
+    if not pairs:
+        raise DataError(f"{path}: no preference pairs")
+    return pairs
+
+
+class PromptStream:
+    """Deterministic batches of prompts: a fresh permutation per pass over the data.
+
+    The permutation of pass ``e`` comes from seed + e, so the state is just (pass, offset)
+    and resuming needs no generator state.
+    """
+
+    def __init__(self, prompts: list[str], batch_size: int, seed: int):
+        import torch
+
+        self._torch = torch
+        self.prompts, self.batch_size, self.seed = prompts, batch_size, seed
+        self.epoch, self.offset = 0, 0
+        self._order = self._permutation()
+
+    def _permutation(self) -> list[int]:
+        g = self._torch.Generator().manual_seed(self.seed + 7919 * self.epoch)
+        return self._torch.randperm(len(self.prompts), generator=g).tolist()
+
+    def next_batch(self) -> list[str]:
+        out = []
+        while len(out) < self.batch_size:
+            if self.offset >= len(self._order):
+                self.epoch, self.offset = self.epoch + 1, 0
+                self._order = self._permutation()
+            take = self._order[self.offset : self.offset + self.batch_size - len(out)]
+            out += [self.prompts[i] for i in take]
+            self.offset += len(take)
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "offset": self.offset}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
+        self._order = self._permutation()

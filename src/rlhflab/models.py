@@ -1,0 +1,358 @@
+"""Loading models, the value heads, and the memory levers for frozen models.
+
+Every forward pass in rlhflab goes through :func:`causal_forward` or :func:`token_values`,
+which take explicit ``position_ids`` computed from the attention mask, so left-padded
+generation and right-padded training see the same positions.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from rlhflab.presets import PAD, preset_path
+
+
+def quiet_transformers() -> None:
+    """Silence transformers' per-load progress bars; rlhflab shows its own per stage."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class ModelLoadError(ValueError):
+    """A model or tokenizer folder that cannot be used as configured."""
+
+
+def resolve_path(spec: str, field: str = "model") -> Path:
+    """``preset:NAME`` → the cached preset folder; otherwise an existing local folder."""
+    if spec.startswith("preset:"):
+        try:
+            return preset_path(spec.split(":", 1)[1])
+        except ValueError as exc:
+            raise ModelLoadError(f"{field}: {exc}") from None
+    path = Path(spec).expanduser()
+    if not (path / "config.json").exists():
+        raise ModelLoadError(
+            f"{field}: {spec!r} is not a local Hugging Face model folder (no config.json); "
+            "rlhflab never downloads at run time — use preset:NAME or a saved folder"
+        )
+    return path
+
+
+def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
+    """Tokenizer with a pad token distinct from EOS (one is added when missing or shared)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if tok.eos_token_id is None:
+        raise ModelLoadError(f"{path}: the tokenizer has no EOS token; answers could never end")
+    if tok.pad_token_id is None or tok.pad_token_id == tok.eos_token_id:
+        # Sharing pad and EOS makes the EOS look like padding and drop out of the mask.
+        tok.add_special_tokens({"pad_token": PAD})
+    return tok
+
+
+def disable_dropout(model: nn.Module) -> nn.Module:
+    """Dropout off everywhere (N+ detail): otherwise the first PPO ratio is not 1."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    cfg = getattr(model, "config", None)
+    if cfg is not None:
+        for key, value in list(vars(cfg).items()):
+            if "dropout" in key and isinstance(value, float):
+                setattr(cfg, key, 0.0)
+    return model
+
+
+def _fit_vocab(model, tokenizer) -> None:
+    if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
+        model.resize_token_embeddings(len(tokenizer))
+    model.config.pad_token_id = tokenizer.pad_token_id
+
+
+def load_causal_lm(
+    path: str | Path, tokenizer, trust_remote_code: bool = False, dtype: torch.dtype = torch.float32
+):
+    from transformers import AutoModelForCausalLM
+
+    quiet_transformers()
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, trust_remote_code=trust_remote_code
+    )
+    _fit_vocab(model, tokenizer)
+    return disable_dropout(model)
+
+
+def load_sequence_classifier(
+    path: str | Path, tokenizer, trust_remote_code: bool = False, num_labels: int | None = None
+):
+    """An HF sequence-classification model (reward model or critic); ``score`` is its head."""
+    from transformers import AutoModelForSequenceClassification
+
+    quiet_transformers()
+    kwargs = {} if num_labels is None else {"num_labels": num_labels}
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the "newly initialised score weights" report: we set them
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = AutoModelForSequenceClassification.from_pretrained(
+                path, trust_remote_code=trust_remote_code, **kwargs
+            )
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    if not isinstance(getattr(model, "score", None), nn.Linear):
+        raise ModelLoadError(
+            f"{path}: expected a sequence-classification model with a linear "
+            "`score` head (Llama, Qwen, Mistral, Gemma, GPT-2 families)"
+        )
+    _fit_vocab(model, tokenizer)
+    return disable_dropout(model)
+
+
+def same_tokenizer(a, b) -> bool:
+    """Same vocabulary and special tokens: token ids can be passed between the two models."""
+    return (
+        a.get_vocab() == b.get_vocab()
+        and a.eos_token_id == b.eos_token_id
+        and a.pad_token_id == b.pad_token_id
+    )
+
+
+# ----------------------------------------------------------------------------- forward passes
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions counting real tokens only, so left padding does not shift them."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def backbone_hidden(model, input_ids, attention_mask) -> torch.Tensor:
+    """Last hidden states (B, L, H) of a CausalLM or SequenceClassification model's backbone."""
+    if hasattr(model, "get_base_model"):  # a peft model: LoRA layers are injected in place
+        model = model.get_base_model()
+    out = model.base_model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+    )
+    return out.last_hidden_state
+
+
+def causal_forward(model, input_ids, attention_mask, **kwargs):
+    return model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        **kwargs,
+    )
+
+
+class PolicyWithValueHead(nn.Module):
+    """A causal LM plus a scalar value head on its last hidden state (shared backbone).
+
+    One forward returns both logits and per-token values. The head is a Linear(H, 1)
+    initialised to zero weight and bias (OAI19), so every value starts at 0 and the
+    policy's outputs are exactly the plain model's.
+    """
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+        hidden = lm.config.hidden_size
+        self.value_head = nn.Linear(hidden, 1, dtype=lm.get_input_embeddings().weight.dtype)
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+
+    @property
+    def config(self):
+        return self.lm.config
+
+    def forward(self, input_ids, attention_mask):
+        hidden = backbone_hidden(self.lm, input_ids, attention_mask)
+        logits = self.lm.get_output_embeddings()(hidden)
+        values = self.value_head(hidden).squeeze(-1)
+        return logits, values
+
+
+def token_values(critic, input_ids, attention_mask) -> torch.Tensor:
+    """Per-token values (B, L) from a sequence-classification critic's ``score`` head."""
+    return critic.score(backbone_hidden(critic, input_ids, attention_mask)).squeeze(-1).float()
+
+
+def critic_from_causal_lm(path, tokenizer, trust_remote_code=False):
+    """A separate critic: the causal LM's backbone with a zero-initialised scalar head."""
+    critic = load_sequence_classifier(path, tokenizer, trust_remote_code, num_labels=1)
+    nn.init.zeros_(critic.score.weight)
+    if critic.score.bias is not None:
+        nn.init.zeros_(critic.score.bias)
+    return critic
+
+
+def critic_from_reward_model(reward_model, head_weights: torch.Tensor):
+    """A critic initialised from the reward model, head included (N+, InstructGPT).
+
+    A K-head reward model's heads are combined with the same weights as the reward itself:
+    a weighted sum of linear heads is one linear head, so the critic starts out predicting
+    exactly the combined score at every token.
+    """
+    critic = copy.deepcopy(reward_model)
+    old = critic.score
+    head = nn.Linear(old.in_features, 1, bias=old.bias is not None, dtype=old.weight.dtype)
+    with torch.no_grad():
+        w = head_weights.to(old.weight.dtype)
+        head.weight.copy_(w @ old.weight)
+        if old.bias is not None:
+            head.bias.copy_((w @ old.bias).reshape(1))
+    critic.score = head
+    critic.config.num_labels = 1
+    critic.config.id2label, critic.config.label2id = {0: "value"}, {"value": 0}
+    for p in critic.parameters():
+        p.requires_grad_(True)
+    return critic.train()
+
+
+# ----------------------------------------------------------------------------- frozen models
+
+
+def freeze(model: nn.Module) -> nn.Module:
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model.eval()
+
+
+def set_precision(model: nn.Module, precision: str, device: torch.device | str = "cpu"):
+    """Cast a frozen model to fp32/bf16/fp16, or int8.
+
+    int8 on CPU: torch's dynamic quantisation of every nn.Linear (weights int8, activations
+    quantised per batch). Its `torch.ao` API is deprecated in favour of torchao but still the
+    one that needs no extra package. On GPU, int8 needs bitsandbytes: load the model with
+    ``BitsAndBytesConfig(load_in_8bit=True)`` (see docs/memory.md); refused here.
+    """
+    if precision in PRECISION_DTYPES:
+        return model.to(PRECISION_DTYPES[precision])
+    if precision != "int8":
+        raise ValueError(f"unknown precision {precision!r}")
+    if torch.device(device).type != "cpu":
+        raise ModelLoadError(
+            "int8 on an accelerator needs bitsandbytes (docs/memory.md); "
+            "torch's dynamic int8 quantisation runs on the CPU only"
+        )
+    from torch.ao.quantization import quantize_dynamic
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the deprecation notices of torch.ao
+        # in place: the caller already owns a copy, and a second one would double the peak
+        return quantize_dynamic(model.float(), {nn.Linear}, dtype=torch.qint8, inplace=True)
+
+
+class Offloaded(nn.Module):
+    """Keeps a frozen model on the CPU and moves it to ``device`` only for its forward pass."""
+
+    def __init__(self, model: nn.Module, device: torch.device):
+        super().__init__()
+        self.model = model.to("cpu")
+        self.device = torch.device(device)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["model"], name)
+
+    def forward(self, *args, **kwargs):
+        if self.device.type == "cpu":
+            return self.model(*args, **kwargs)
+        self.model.to(self.device)
+        try:
+            return self.model(*args, **kwargs)
+        finally:
+            self.model.to("cpu")
+
+    @contextmanager
+    def on_device(self):
+        """Keep the model on the accelerator for a block of several forward passes."""
+        self.model.to(self.device)
+        try:
+            yield self.model
+        finally:
+            self.model.to("cpu")
+
+
+class LoraReference:
+    """The reference policy of a LoRA-trained policy: the same model, adapter disabled.
+
+    No second copy of the weights exists; calling it runs the base model (peft's
+    ``disable_adapter`` context).
+    """
+
+    def __init__(self, peft_model):
+        self.peft_model = peft_model
+
+    def __call__(self, *args, **kwargs):
+        with self.peft_model.disable_adapter():
+            return self.peft_model(*args, **kwargs)
+
+    @property
+    def base_model(self):
+        return self.peft_model.base_model
+
+    def context(self):
+        return self.peft_model.disable_adapter()
+
+
+def make_reference(
+    policy_lm: nn.Module,
+    precision: str = "fp32",
+    offload: bool = False,
+    device: str | torch.device = "cpu",
+):
+    """Frozen copy of the initial policy, or the adapter-disabled base of a LoRA policy."""
+    if hasattr(policy_lm, "disable_adapter"):
+        if precision != "fp32" or offload:
+            raise ModelLoadError(
+                "model.reference_precision/offload_frozen: with LoRA the "
+                "reference shares the policy's weights and cannot be cast"
+            )
+        return LoraReference(policy_lm)
+    ref = freeze(set_precision(copy.deepcopy(policy_lm), precision, "cpu" if offload else device))
+    if offload:
+        return Offloaded(ref, torch.device(device))
+    return ref.to(device) if precision != "int8" else ref
+
+
+def apply_lora(lm: nn.Module, r: int, alpha: float, targets: list[str]):
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise ModelLoadError("model.lora_r > 0 needs peft: pip install 'rlhflab[lora]'") from None
+    cfg = LoraConfig(
+        r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets, task_type="CAUSAL_LM"
+    )
+    return get_peft_model(lm, cfg)
+
+
+def module_bytes(model: nn.Module) -> int:
+    """Bytes of all weights, tied tensors once; int8-packed Linear weights (their state_dict
+    holds a (qweight, bias) tuple) count 1 byte per weight."""
+    seen, total = set(), 0
+    for value in model.state_dict().values():
+        tensors = value if isinstance(value, tuple) else (value,)
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+    return total

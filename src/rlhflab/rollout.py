@@ -1,0 +1,232 @@
+"""Rollouts: batched sampling with a KV cache, then no-grad scoring of the answers.
+
+Layout of a rollout (B answers): prompts are *left*-padded to P tokens so every answer
+starts at column P; answers are *right*-padded to T tokens. ``response_mask`` is 1 on real
+answer tokens including the EOS and 0 on the padding after it (the convention of
+``rlhflab.algorithms``). The full sequence is ``cat(prompt_ids, response_ids)``, and the
+logits at columns P−1 … P+T−2 predict the answer tokens.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from rlhflab import algorithms as A
+from rlhflab import models as M
+from rlhflab.rewards import RewardBatch
+
+
+@dataclass
+class Rollout:
+    prompt_ids: torch.Tensor  # (B, P) left-padded
+    prompt_mask: torch.Tensor  # (B, P)
+    response_ids: torch.Tensor  # (B, T) right-padded; pad after the first EOS
+    response_mask: torch.Tensor  # (B, T) 1 on answer tokens including EOS
+    ended: torch.Tensor  # (B,) bool: the answer ended with EOS (not cut at max_new_tokens)
+    prompts: list[str]
+    responses: list[str]  # decoded answers without special tokens
+    # filled by score_rollout:
+    old_logprobs: torch.Tensor | None = None  # (B, T)
+    ref_logprobs: torch.Tensor | None = None  # (B, T)
+    values: torch.Tensor | None = None  # (B, T)
+    entropy: torch.Tensor | None = None  # (B, T) full-distribution entropy per token
+    scores: torch.Tensor | None = None  # (B,) combined reward-model/function score
+    components: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def sequences(self) -> torch.Tensor:
+        return torch.cat([self.prompt_ids, self.response_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        return torch.cat([self.prompt_mask, self.response_mask.to(self.prompt_mask.dtype)], 1)
+
+    def __len__(self) -> int:
+        return self.response_ids.shape[0]
+
+
+def left_pad(token_lists: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(t) for t in token_lists)
+    ids = torch.full((len(token_lists), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(token_lists), width), dtype=torch.long)
+    for i, toks in enumerate(token_lists):
+        if toks:
+            ids[i, width - len(toks) :] = torch.tensor(toks)
+            mask[i, width - len(toks) :] = 1
+    return ids, mask
+
+
+def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Top-k then nucleus filtering: removed tokens get −inf. (B, V) → (B, V)."""
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        cum = torch.softmax(sorted_logits, -1).cumsum(-1)
+        drop_sorted = (cum - torch.softmax(sorted_logits, -1)) >= top_p  # keep the first over p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+_warned_truncated = False
+
+
+def _cache_kwarg(model) -> str:
+    """transformers 5.x renamed ``past_key_values`` to ``cache``; support both."""
+    import inspect
+
+    core = model.get_base_model() if hasattr(model, "get_base_model") else model
+    params = inspect.signature(type(core).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+@torch.no_grad()
+def sample(
+    model,
+    prompt_ids,
+    prompt_mask,
+    max_new_tokens: int,
+    eos_id: int,
+    pad_id: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sample answers with a KV cache. Returns (response_ids, response_mask, ended).
+
+    Tokens after a row's first EOS are pad and masked out; the EOS itself is kept in the
+    mask. Generation stops early once every row has ended.
+    """
+    global _warned_truncated
+    if (top_k or top_p < 1.0) and not _warned_truncated:
+        warnings.warn(
+            "top_k/top_p sampling: training log-probs use the full softmax, so they "
+            "differ from the truncated sampling distribution (PPO becomes slightly "
+            "off-policy)",
+            stacklevel=2,
+        )
+        _warned_truncated = True
+    B, device = prompt_ids.shape[0], prompt_ids.device
+    mask = prompt_mask.clone()
+    positions = M.position_ids_from_mask(mask)
+    cache_key = _cache_kwarg(model)
+    out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=positions, use_cache=True)
+    next_pos = positions[:, -1:] + 1
+    finished = torch.zeros(B, dtype=torch.bool, device=device)
+    tokens = []
+    for step in range(max_new_tokens):
+        logits = out.logits[:, -1, :].float() / temperature
+        probs = torch.softmax(filter_logits(logits, top_k, top_p), dim=-1)
+        nxt = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        nxt = torch.where(finished, torch.full_like(nxt, pad_id), nxt)
+        tokens.append(nxt)
+        finished = finished | (nxt == eos_id)
+        if bool(finished.all()) or step == max_new_tokens - 1:
+            break
+        mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=device)], dim=1)
+        out = model(
+            input_ids=nxt[:, None],
+            attention_mask=mask,
+            position_ids=next_pos,
+            use_cache=True,
+            **{cache_key: getattr(out, cache_key)},
+        )
+        next_pos = next_pos + 1
+    response = torch.stack(tokens, dim=1)
+    # mask: everything up to and including the first EOS
+    is_eos = response == eos_id
+    after_eos = (is_eos.long().cumsum(1) - is_eos.long()) > 0
+    response_mask = (~after_eos).long()
+    response = torch.where(after_eos, torch.full_like(response, pad_id), response)
+    return response, response_mask, is_eos.any(dim=1)
+
+
+def generate_rollout(
+    model,
+    tokenizer,
+    prompts: list[str],
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    generator,
+    device,
+) -> Rollout:
+    encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    prompt_ids, prompt_mask = left_pad(encoded, tokenizer.pad_token_id)
+    prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
+    resp, resp_mask, ended = sample(
+        model,
+        prompt_ids,
+        prompt_mask,
+        max_new_tokens,
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+        temperature,
+        top_k,
+        top_p,
+        generator,
+    )
+    texts = tokenizer.batch_decode(resp, skip_special_tokens=True)
+    return Rollout(prompt_ids, prompt_mask, resp, resp_mask, ended, list(prompts), texts)
+
+
+def response_slice(prompt_len: int, response_len: int) -> slice:
+    """Columns of the full-sequence outputs that predict (logits) or value the answer."""
+    return slice(prompt_len - 1, prompt_len + response_len - 1)
+
+
+def policy_outputs(policy, seqs, mask, prompt_len, response_ids, temperature, with_entropy=False):
+    """Log-probs (B, T), values (B, T) or None, entropy (B, T) or None from one forward."""
+    cols = response_slice(prompt_len, response_ids.shape[1])
+    if isinstance(policy, M.PolicyWithValueHead):
+        logits, values = policy(seqs, mask)
+        values = values[:, cols].float()
+    else:
+        logits, values = M.causal_forward(policy, seqs, mask).logits, None
+    logits = logits[:, cols]
+    logprobs = A.logprobs_from_logits(logits, response_ids, temperature)
+    entropy = A.entropy_from_logits(logits, temperature) if with_entropy else None
+    return logprobs, values, entropy
+
+
+@torch.no_grad()
+def score_rollout(cast, rollout: Rollout, temperature: float, micro_batch: int) -> Rollout:
+    """Fill old/ref log-probs, values, entropy and scores, micro-batched, without gradients.
+
+    One forward of the policy (logits and, with a shared backbone, values), one of the
+    reference, one of the critic (if separate), one of the reward model.
+    """
+    seqs, mask = rollout.sequences, rollout.attention_mask
+    P = rollout.prompt_ids.shape[1]
+    parts: dict[str, list] = {"old": [], "ref": [], "val": [], "ent": []}
+    for s in range(0, len(rollout), micro_batch):
+        ids, am = seqs[s : s + micro_batch], mask[s : s + micro_batch]
+        resp = rollout.response_ids[s : s + micro_batch]
+        lp, values, ent = policy_outputs(cast.policy, ids, am, P, resp, temperature, True)
+        ref_logits = M.causal_forward(cast.reference, ids, am).logits
+        ref_lp = A.logprobs_from_logits(
+            ref_logits[:, response_slice(P, resp.shape[1])], resp, temperature
+        )
+        if values is None:
+            values = M.token_values(cast.critic, ids, am)[:, response_slice(P, resp.shape[1])]
+        parts["old"].append(lp)
+        parts["ref"].append(ref_lp)
+        parts["val"].append(values)
+        parts["ent"].append(ent)
+    rollout.old_logprobs = torch.cat(parts["old"])
+    rollout.ref_logprobs = torch.cat(parts["ref"]).to(rollout.old_logprobs.device)
+    rollout.values = torch.cat(parts["val"])
+    rollout.entropy = torch.cat(parts["ent"])
+    reward = cast.reward(RewardBatch(rollout.prompts, rollout.responses, seqs, mask))
+    rollout.scores = reward.score.to(rollout.old_logprobs.device)
+    rollout.components = {
+        k: v.to(rollout.old_logprobs.device) for k, v in reward.components.items()
+    }
+    return rollout

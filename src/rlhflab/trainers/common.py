@@ -1,0 +1,63 @@
+"""Pieces every trainer shares: optimisers, schedules, prompt sets, progress bars."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from rlhflab.config import Config
+from rlhflab.data import PromptStream, load_prompts
+
+
+class TrainingHalted(RuntimeError):
+    """The run stopped on purpose (repeated non-finite updates, a monitor); message says why."""
+
+
+def build_optimizer(groups: list[dict], p) -> torch.optim.Optimizer:
+    """AdamW with the configured ε and weight decay (OAI19/N+ use ε = 1e-5)."""
+    return torch.optim.AdamW(groups, eps=p.adam_eps, weight_decay=p.weight_decay)
+
+
+def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
+    """Multiplier of the base learning rate at optimiser step ``step`` (0-based)."""
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    if schedule == "linear":
+        return 1.0 - progress
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_scheduler(opt, p, total_steps: int):
+    return torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: lr_factor(s, p.warmup_steps, total_steps, p.lr_schedule)
+    )
+
+
+def load_prompt_set(cfg: Config, tokenizer) -> PromptStream:
+    """Prompts from ``data.prompts`` or, when unset, the built-in task's training prompts."""
+    if cfg.data.prompts:
+        prompts, _ = load_prompts(
+            cfg.data.prompts,
+            tokenizer,
+            cfg.rollout.max_prompt_tokens,
+            cfg.data.prompt_field,
+            cfg.data.messages_field,
+            cfg.data.on_bad_row,
+        )
+    else:
+        from rlhflab import tasks
+
+        prompts = [ex.prompt for ex in tasks.make_examples(2000, seed=cfg.seed + 101)]
+    return PromptStream(prompts, cfg.rollout.prompts_per_iteration, cfg.seed)
+
+
+def progress(iterable, enabled: bool, desc: str, **kwargs):
+    if not enabled:
+        return iterable
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, desc=desc, dynamic_ncols=True, **kwargs)

@@ -1,0 +1,491 @@
+"""Online PPO against a reward model. One iteration reads top to bottom as numbered steps:
+
+1 generate → 2 score → 3 missing-EOS penalty → 4 score normalisation → 5 per-token KL
+shaping → 6 GAE → 7 advantage whitening → 8 PPO epochs → 9 metrics → 10 KL controller →
+11 checkpoint.
+
+Every implementation detail is a field of :class:`rlhflab.config.Config`; the maths is in
+:mod:`rlhflab.algorithms`; devices, logs and checkpoints sit behind the helpers below.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+from rlhflab import algorithms as A
+from rlhflab import checkpoint as C
+from rlhflab.cast import ModelCast, build_cast
+from rlhflab.config import Config
+from rlhflab.configbase import to_dict
+from rlhflab.memory import peak_rss_bytes
+from rlhflab.models import token_values
+from rlhflab.rewards import RunningMoments
+from rlhflab.rollout import (
+    Rollout,
+    generate_rollout,
+    policy_outputs,
+    response_slice,
+    score_rollout,
+)
+from rlhflab.runlog import RunLog
+from rlhflab.trainers.common import (
+    TrainingHalted,
+    build_optimizer,
+    build_scheduler,
+    load_prompt_set,
+    progress,
+)
+
+log = logging.getLogger(__name__)
+
+METRICS = {
+    "objective/scores": "mean combined score after the missing-EOS penalty, before normalisation",
+    "objective/scores/<name>": "mean of each reward component (each head, each function)",
+    "objective/kl": "KL to the reference: batch mean of Σ_t (logp_old − logp_ref) (k1, nats "
+    "per answer; OAI19)",
+    "objective/kl_coef": "β used this iteration",
+    "objective/non_score_reward": "batch mean of Σ_t −β·kl_t (the KL part of the RLHF reward)",
+    "objective/rlhf_reward": "objective/scores + objective/non_score_reward",
+    "objective/entropy": "batch mean of Σ_t −logp_old (sampled entropy per answer)",
+    "policy/entropy": "token mean of the full-distribution entropy H_t at the sampling τ",
+    "policy/approx_kl": "KL(π_old‖π) k3 estimate, mean over PPO minibatches",
+    "policy/clipfrac": "fraction of tokens where the clipped surrogate binds, mean over minibatches",
+    "policy/ratio_mean": "mean ρ over minibatches (should stay ≈ 1)",
+    "policy/ratio_max": "largest ρ seen in the iteration",
+    "policy/loss": "policy loss, mean over minibatches",
+    "val/loss": "value loss, mean over minibatches",
+    "val/clipfrac": "fraction of tokens where the clipped value error is the larger",
+    "val/explained_variance": "1 − Var(R − V_old)/Var(R) over response tokens",
+    "response/length_mean": "mean answer length in tokens (EOS included)",
+    "response/length_max": "longest answer in tokens",
+    "response/eos_rate": "fraction of answers that ended with EOS",
+    "time/generate": "seconds sampling",
+    "time/score": "seconds scoring",
+    "time/train": "seconds in the PPO epochs",
+    "throughput/tokens_per_sec": "generated answer tokens per second of sampling",
+    "memory/peak_mib": "peak resident memory (CPU) or peak allocated (CUDA), MiB",
+    "faults/skipped_updates": "updates skipped so far for a non-finite reward, loss or gradient",
+    "lr/policy": "policy learning rate after this iteration",
+}
+
+
+class PPOTrainer:
+    def __init__(self, cfg: Config, cast: ModelCast | None = None):
+        self.cfg = cfg
+        random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        self.cast = cast or build_cast(cfg)
+        self.device = self.cast.device
+        p = cfg.ppo
+        self.stream = load_prompt_set(cfg, self.cast.tokenizer)
+        total_steps = p.iterations * p.epochs * p.minibatches
+        groups = [
+            {
+                "params": [
+                    q
+                    for n, q in self.cast.policy.named_parameters()
+                    if q.requires_grad and not n.startswith("value_head")
+                ],
+                "lr": p.lr,
+            }
+        ]
+        if self.cast.shared:
+            groups.append(
+                {"params": list(self.cast.policy.value_head.parameters()), "lr": p.critic_lr}
+            )
+        self.opt = build_optimizer(groups, p)
+        self.sched = build_scheduler(self.opt, p, total_steps)
+        self.critic_opt = self.critic_sched = None
+        if self.cast.critic is not None:
+            self.critic_opt = build_optimizer(
+                [{"params": list(self.cast.critic.parameters()), "lr": p.critic_lr}], p
+            )
+            self.critic_sched = build_scheduler(self.critic_opt, p, total_steps)
+        self.kl_ctl = (
+            A.AdaptiveKLController(p.kl_coef, p.kl_target, p.kl_horizon)
+            if p.kl_target
+            else A.FixedKLController(p.kl_coef)
+        )
+        self.gens = {
+            "sample": torch.Generator(device=self.device).manual_seed(cfg.seed),
+            "shuffle": torch.Generator().manual_seed(cfg.seed + 1),
+        }
+        self.moments = RunningMoments()
+        self.skipped_total = self.consecutive_bad = 0
+        self.iteration = 0
+        self.run_dir = Path(cfg.log.output_dir)
+        self.first_minibatch: dict[str, float] | None = None
+        self.callbacks: list = []  # called as cb(trainer, rollout, metrics) after step 9
+        self.stop_reason: str | None = None
+        self._check_batch()
+
+    def _check_batch(self) -> None:
+        r = self.cfg.rollout
+        if (
+            r.max_prompt_tokens + r.max_new_tokens
+            > self.cast.policy_lm.config.max_position_embeddings
+        ):
+            raise ValueError(
+                "rollout: max_prompt_tokens + max_new_tokens exceeds the model's "
+                "max_position_embeddings"
+            )
+
+    # ------------------------------------------------------------------ one iteration
+
+    def step(self) -> dict[str, float]:
+        cfg, p, r = self.cfg, self.cfg.ppo, self.cfg.rollout
+        cast = self.cast
+        prompts = self.stream.next_batch()
+
+        # 1. generate
+        t0 = time.perf_counter()
+        cast.policy.eval()
+        rollout = generate_rollout(
+            cast.policy_lm,
+            cast.tokenizer,
+            prompts,
+            r.max_new_tokens,
+            r.temperature,
+            r.top_k,
+            r.top_p,
+            self.gens["sample"],
+            self.device,
+        )
+        t_gen = time.perf_counter() - t0
+
+        # 2. score: old and reference log-probs, values, reward
+        t0 = time.perf_counter()
+        score_rollout(cast, rollout, r.temperature, r.score_micro_batch)
+        t_score = time.perf_counter() - t0
+        mask = rollout.response_mask
+
+        # 3. missing-EOS penalty
+        scores = rollout.scores.clone()
+        if cfg.reward.missing_eos_penalty is not None:
+            scores = torch.where(rollout.ended, scores, scores - cfg.reward.missing_eos_penalty)
+        raw_scores = scores
+
+        # 4. score normalisation (optional) and clipping
+        scores = self._normalise(scores)
+
+        # 5. per-token KL shaping: r_t = −β·kl_t + score·[t = last]
+        beta = self.kl_ctl.value
+        kl = A.kl_estimate(rollout.old_logprobs, rollout.ref_logprobs, p.kl_estimator)
+        kl = torch.where(mask.bool(), kl, torch.zeros_like(kl))
+        in_reward = p.kl_placement == "reward"
+        rewards = A.shape_rewards(scores, kl, mask, beta if in_reward else 0.0)
+        if p.whiten_rewards:
+            rewards = A.masked_whiten(rewards, mask, shift_mean=False)
+
+        # 6. GAE (returns from unwhitened advantages) ; 7. advantage whitening
+        advantages, returns = A.compute_gae(rewards, rollout.values, mask, p.gamma, p.lam)
+        if p.whiten_advantages:
+            advantages = A.masked_whiten(advantages, mask)
+
+        # 8. PPO epochs (skipped entirely when the reward is not finite)
+        t0 = time.perf_counter()
+        if torch.isfinite(raw_scores).all():
+            train_stats = self._ppo_epochs(rollout, advantages, returns, beta)
+        else:
+            train_stats = {}
+            self._bad_update("reward", int((~torch.isfinite(raw_scores)).sum()))
+        t_train = time.perf_counter() - t0
+
+        # 9. metrics
+        k1 = torch.where(mask.bool(), rollout.old_logprobs - rollout.ref_logprobs, 0.0)
+        seq_kl = k1.sum(1)
+        non_score = (-beta * kl).sum(1) if in_reward else torch.zeros_like(seq_kl)
+        lengths = mask.sum(1).float()
+        metrics = {
+            "objective/scores": raw_scores.mean().item(),
+            **{f"objective/scores/{k}": v.mean().item() for k, v in rollout.components.items()},
+            "objective/kl": seq_kl.mean().item(),
+            "objective/kl_coef": beta,
+            "objective/non_score_reward": non_score.mean().item(),
+            "objective/rlhf_reward": (raw_scores + non_score).mean().item(),
+            "objective/entropy": torch.where(mask.bool(), -rollout.old_logprobs, 0.0)
+            .sum(1)
+            .mean()
+            .item(),
+            "policy/entropy": A.masked_mean(rollout.entropy, mask).item(),
+            **train_stats,
+            "response/length_mean": lengths.mean().item(),
+            "response/length_max": lengths.max().item(),
+            "response/eos_rate": rollout.ended.float().mean().item(),
+            "time/generate": t_gen,
+            "time/score": t_score,
+            "time/train": t_train,
+            "throughput/tokens_per_sec": lengths.sum().item() / max(t_gen, 1e-9),
+            "memory/peak_mib": self._peak_memory() / 2**20,
+            "faults/skipped_updates": self.skipped_total,
+            "lr/policy": self.opt.param_groups[0]["lr"],
+        }
+        for cb in self.callbacks:
+            cb(self, rollout, metrics)
+
+        # 10. KL controller, on this rollout's per-answer KL (the controller's unit)
+        self.kl_ctl.update(seq_kl.mean().item(), len(rollout))
+        self._last_rollout = rollout
+        return metrics
+
+    def _normalise(self, scores: torch.Tensor) -> torch.Tensor:
+        mode, clip = self.cfg.reward.normalize, self.cfg.reward.clip
+        if mode == "batch":
+            scores = A.masked_whiten(scores, torch.ones_like(scores, dtype=torch.bool))
+        elif mode == "running":
+            self.moments.update(scores[torch.isfinite(scores)])
+            scores = scores / self.moments.std
+        if clip is not None:
+            scores = scores.clamp(-clip, clip)
+        return scores
+
+    def _peak_memory(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device)
+        return peak_rss_bytes()
+
+    # ------------------------------------------------------------------ step 8: PPO epochs
+
+    def _ppo_epochs(self, ro: Rollout, advantages, returns, beta) -> dict[str, float]:
+        p, cast = self.cfg.ppo, self.cast
+        B = len(ro)
+        mb_size = B // p.minibatches
+        micro = p.micro_batch_size or mb_size
+        seqs, attn = ro.sequences, ro.attention_mask
+        P = ro.prompt_ids.shape[1]
+        cast.policy.train()
+        if cast.critic is not None:
+            cast.critic.train()
+        stats: dict[str, list[float]] = {}
+        ratio_max = 0.0
+        for _epoch in range(p.epochs):
+            order = torch.randperm(B, generator=self.gens["shuffle"]).to(self.device)
+            for start in range(0, B, mb_size):
+                idx = order[start : start + mb_size]
+                n_tokens = ro.response_mask[idx].sum().clamp(min=1)
+                agg = {"num_tokens": n_tokens, "num_seqs": mb_size}
+                mb_stats: dict[str, float] = {}
+                finite = True
+                for ms in range(0, mb_size, micro):
+                    i = idx[ms : ms + micro]
+                    m = ro.response_mask[i]
+                    lp, values, ent = policy_outputs(
+                        cast.policy,
+                        seqs[i],
+                        attn[i],
+                        P,
+                        ro.response_ids[i],
+                        self.cfg.rollout.temperature,
+                        with_entropy=p.entropy_coef > 0,
+                    )
+                    pg, pg_stats = A.policy_loss(
+                        lp,
+                        ro.old_logprobs[i],
+                        advantages[i],
+                        m,
+                        p.clip_low,
+                        p.clip_high,
+                        p.dual_clip,
+                        p.loss_agg,
+                        **agg,
+                    )
+                    loss = pg
+                    if p.kl_placement == "loss":
+                        kl = A.kl_estimate(lp, ro.ref_logprobs[i], p.kl_estimator)
+                        loss = loss + beta * A.aggregate(kl, m, p.loss_agg, **agg)
+                    if p.entropy_coef > 0:
+                        loss = loss - p.entropy_coef * A.aggregate(ent, m, p.loss_agg, **agg)
+                    if values is None:
+                        values = token_values(cast.critic, seqs[i], attn[i])[
+                            :, response_slice(P, ro.response_ids.shape[1])
+                        ]
+                    vf, vf_stats = A.value_loss(
+                        values, ro.values[i], returns[i], m, p.value_clip, p.loss_agg, **agg
+                    )
+                    total = loss + (self.cfg.model.vf_coef if cast.shared else 1.0) * vf
+                    if not torch.isfinite(total):
+                        finite = False
+                        break
+                    total.backward()
+                    share = m.sum().item() / n_tokens.item()
+                    named = {
+                        "policy/loss": pg.item(),
+                        "val/loss": vf.item(),
+                        **{f"policy/{k}": v.item() for k, v in pg_stats.items()},
+                        "val/clipfrac": vf_stats["vf_clipfrac"].item(),
+                        "val/explained_variance": vf_stats["explained_variance"].item(),
+                    }
+                    for k, v in named.items():  # losses already carry global denominators
+                        mb_stats[k] = mb_stats.get(k, 0.0) + (
+                            v if k.endswith("loss") else v * share
+                        )
+                    ratio_max = max(ratio_max, pg_stats["ratio_max"].item())
+                if self._apply_update(finite):
+                    if self.first_minibatch is None:
+                        self.first_minibatch = dict(mb_stats)
+                    for k, v in mb_stats.items():
+                        stats.setdefault(k, []).append(v)
+        out = {k: sum(v) / len(v) for k, v in stats.items()}
+        out["policy/ratio_max"] = ratio_max
+        if p.dual_clip is None:
+            out.pop("policy/dual_clipfrac", None)
+        return out
+
+    def _trainable(self):
+        params = [q for q in self.cast.policy.parameters() if q.requires_grad]
+        if self.cast.critic is not None:
+            params += list(self.cast.critic.parameters())
+        return params
+
+    def _apply_update(self, loss_finite: bool) -> bool:
+        """Clip and step, unless the loss or a gradient is not finite (then skip and count)."""
+        p = self.cfg.ppo
+        cause = None if loss_finite else "loss"
+        if cause is None:
+            params = self._trainable()
+            norm = torch.nn.utils.clip_grad_norm_(
+                params, p.max_grad_norm if p.max_grad_norm is not None else math.inf
+            )
+            if not torch.isfinite(norm):
+                cause = "gradient"
+        if cause is not None:
+            self.opt.zero_grad(set_to_none=True)
+            if self.critic_opt:
+                self.critic_opt.zero_grad(set_to_none=True)
+            self._bad_update(cause)
+            return False
+        for opt, sched in ((self.opt, self.sched), (self.critic_opt, self.critic_sched)):
+            if opt is not None:
+                opt.step()
+                sched.step()
+                opt.zero_grad(set_to_none=True)
+        self.consecutive_bad = 0
+        return True
+
+    def _bad_update(self, cause: str, count: int | None = None) -> None:
+        self.skipped_total += 1
+        self.consecutive_bad += 1
+        detail = f" ({count} non-finite scores)" if count else ""
+        log.warning(
+            "iteration %d: skipped an update: non-finite %s%s", self.iteration + 1, cause, detail
+        )
+        if self.consecutive_bad >= self.cfg.ppo.max_bad_updates:
+            path = self.save(self.iteration)  # weights are still the last good ones
+            raise TrainingHalted(
+                f"{self.consecutive_bad} updates in a row had a non-finite {cause}; stopped at "
+                f"iteration {self.iteration + 1} with the last good state in {path}. Try a lower "
+                "ppo.lr, reward.clip, or check the reward function for NaN/inf."
+            )
+
+    # ------------------------------------------------------------------ state, checkpoints, fit
+
+    def state_dict(self) -> dict:
+        return {
+            "iteration": self.iteration,
+            "optim": self.opt.state_dict(),
+            "sched": self.sched.state_dict(),
+            "kl": self.kl_ctl.state_dict(),
+            "critic_optim": self.critic_opt.state_dict() if self.critic_opt else {},
+            "critic_sched": self.critic_sched.state_dict() if self.critic_sched else {},
+            "rng": C.rng_state(self.gens),
+            "data": self.stream.state_dict(),
+            "moments": self.moments.state_dict(),
+            "faults": {"skipped_total": self.skipped_total, "consecutive": self.consecutive_bad},
+        }
+
+    def load_state_dict(self, s: dict) -> None:
+        self.iteration = int(s["iteration"])
+        self.opt.load_state_dict(s["optim"])
+        self.sched.load_state_dict(s["sched"])
+        if self.critic_opt:
+            self.critic_opt.load_state_dict(s["critic_optim"])
+            self.critic_sched.load_state_dict(s["critic_sched"])
+        self.kl_ctl.load_state_dict(s["kl"])
+        C.restore_rng(s["rng"], self.gens)
+        self.stream.load_state_dict(s["data"])
+        self.moments.load_state_dict(s["moments"])
+        self.skipped_total = int(s["faults"]["skipped_total"])
+        self.consecutive_bad = int(s["faults"]["consecutive"])
+
+    def save(self, iteration: int) -> Path:
+        return C.save_checkpoint(
+            self.run_dir, iteration, self.cast, self.state_dict(), self.cfg.log.keep_last
+        )
+
+    def fit(self, resume: bool = False) -> dict:
+        cfg = self.cfg
+        resume_step = None
+        if resume:
+            ckpts = C.list_checkpoints(self.run_dir)
+            if ckpts:
+                self.load_state_dict(C.load_checkpoint(ckpts[-1], self.cast))
+                resume_step = self.iteration
+                log.info("resumed from %s", ckpts[-1])
+            else:
+                log.info("--resume: no checkpoint in %s; starting fresh", self.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        runlog = RunLog(self.run_dir, cfg.log.tensorboard, cfg.log.wandb, to_dict(cfg), resume_step)
+        bar = progress(
+            range(self.iteration, cfg.ppo.iterations),
+            cfg.log.progress,
+            "PPO",
+            initial=self.iteration,
+            total=cfg.ppo.iterations,
+        )
+        metrics: dict = {}
+        try:
+            for _ in bar:
+                metrics = self.step()
+                self.iteration += 1
+                runlog.metrics(self.iteration, metrics)
+                if cfg.log.samples_per_log and self.iteration % cfg.log.sample_every == 0:
+                    runlog.samples(self.iteration, self.sample_rows(cfg.log.samples_per_log))
+                if hasattr(bar, "set_postfix"):
+                    bar.set_postfix(
+                        reward=f"{metrics['objective/scores']:.3f}",
+                        kl=f"{metrics['objective/kl']:.3f}",
+                        beta=f"{metrics['objective/kl_coef']:.3g}",
+                    )
+                # 11. checkpoint
+                if (
+                    self.iteration % cfg.log.checkpoint_every == 0
+                    or self.iteration == cfg.ppo.iterations
+                ):
+                    self.save(self.iteration)
+                if self.stop_reason:
+                    self.save(self.iteration)
+                    log.warning("stopped: %s", self.stop_reason)
+                    break
+        finally:
+            runlog.close()
+        return {"iterations": self.iteration, "last": metrics, "stop_reason": self.stop_reason}
+
+    def sample_rows(self, n: int) -> list[dict]:
+        ro = self._last_rollout
+        rows = []
+        for i in range(min(n, len(ro))):
+            m = ro.response_mask[i].bool()
+            rows.append(
+                {
+                    "prompt": ro.prompts[i],
+                    "response": ro.responses[i],
+                    "score": ro.scores[i].item(),
+                    "components": {k: v[i].item() for k, v in ro.components.items()},
+                    "kl": (ro.old_logprobs[i] - ro.ref_logprobs[i])[m].sum().item(),
+                }
+            )
+        return rows
+
+
+def train(cfg: Config, resume: bool = False) -> dict:
+    return PPOTrainer(cfg).fit(resume)

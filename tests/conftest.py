@@ -1,0 +1,38 @@
+"""Shared fixtures: tiny models built locally into a per-session cache (no download)."""
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_cache(tmp_path_factory):
+    os.environ["RLHFLAB_CACHE"] = str(tmp_path_factory.mktemp("rlhflab-cache"))
+    yield
+
+
+@pytest.fixture(scope="session")
+def nano_rm(tmp_path_factory):
+    """A 3-head reward model on the nano preset, sharing the policy tokenizer."""
+    from rlhflab.presets import build_preset
+
+    return build_preset(
+        "nano",
+        tmp_path_factory.mktemp("rm"),
+        seed=1,
+        heads=["correctness", "brevity", "politeness"],
+    )
+
+
+@pytest.fixture(scope="session")
+def foreign_rm(tmp_path_factory):
+    """A reward model whose tokenizer was trained on other text (different vocabulary)."""
+    from rlhflab.presets import build_preset
+
+    corpus = ["the quick brown fox jumps over the lazy dog"] * 20 + ["cat dog sun moon"] * 5
+    return build_preset(
+        "nano", tmp_path_factory.mktemp("rm-foreign"), seed=2, heads=["score"], corpus=corpus
+    )

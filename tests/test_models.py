@@ -1,0 +1,213 @@
+"""The four-model cast: loading, heads, precision, LoRA reference and reward sources."""
+
+import pytest
+import torch
+
+from rlhflab import models as M
+from rlhflab import presets
+from rlhflab.algorithms import logprobs_from_logits
+from rlhflab.cast import build_cast
+from rlhflab.config import load_config
+from rlhflab.rewards import FunctionReward, ModelReward, RewardBatch, RewardError
+
+
+def batch_ids(tok, texts):
+    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    return enc["input_ids"], enc["attention_mask"]
+
+
+def seq_logprobs(model, ids, mask):
+    logits = M.causal_forward(model, ids, mask).logits
+    return logprobs_from_logits(logits[:, :-1], ids[:, 1:])
+
+
+def test_preset_sizes_are_as_documented():
+    counts = {n: presets.count_parameters(n) for n in ("tiny", "small", "medium")}
+    assert 0.7e6 < counts["tiny"] < 1.3e6
+    assert 8e6 < counts["small"] < 12e6
+    assert 25e6 < counts["medium"] < 35e6
+
+
+def test_saved_preset_reloads_identically(tmp_path):
+    a = presets.build_preset("nano", tmp_path / "a", seed=3)
+    b = presets.build_preset("nano", tmp_path / "b", seed=3)
+    tok = M.load_tokenizer(a)
+    ma, mb = M.load_causal_lm(a, tok), M.load_causal_lm(b, tok)
+    for (ka, va), (kb, vb) in zip(ma.state_dict().items(), mb.state_dict().items()):
+        assert ka == kb and torch.equal(va, vb)
+    assert M.load_tokenizer(b).get_vocab() == tok.get_vocab()
+    # and the cached preset path is stable and loadable through the normal path
+    assert presets.preset_path("nano") == presets.preset_path("nano")
+    assert M.resolve_path("preset:nano") == presets.preset_path("nano")
+
+
+def test_pad_is_distinct_from_eos_after_loading_any_tokenizer(tmp_path):
+    tok = presets.build_tokenizer(["a b c"] * 5, vocab_size=300)
+    for variant, pad in (("none", None), ("eos", tok.eos_token)):
+        tok.pad_token = pad
+        tok.save_pretrained(tmp_path / variant)
+        loaded = M.load_tokenizer(tmp_path / variant)
+        assert loaded.pad_token_id is not None and loaded.pad_token_id != loaded.eos_token_id
+
+
+def test_missing_folder_gets_a_clear_error(tmp_path):
+    with pytest.raises(M.ModelLoadError, match="never downloads"):
+        M.resolve_path(str(tmp_path / "nope"), "model.policy")
+    with pytest.raises(M.ModelLoadError, match="unknown preset"):
+        M.resolve_path("preset:huge")
+
+
+def test_dropout_is_off():
+    lm = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.5))
+    M.disable_dropout(lm)
+    assert lm[1].p == 0.0
+
+
+def test_shared_backbone_logits_equal_plain_model_and_values_start_at_zero():
+    path = presets.preset_path("nano")
+    tok = M.load_tokenizer(path)
+    lm = M.load_causal_lm(path, tok)
+    ids, mask = batch_ids(tok, ["sort: cat dog\nanswer:", "add: 1 2\nanswer: 3"])
+    plain = M.causal_forward(lm, ids, mask).logits
+    logits, values = M.PolicyWithValueHead(lm)(ids, mask)
+    assert torch.allclose(logits, plain, atol=1e-6)
+    assert torch.equal(values, torch.zeros_like(values))
+
+
+@pytest.mark.parametrize("precision,tol", [("bf16", 0.05), ("int8", 0.05)])
+def test_low_precision_reference_logprobs_stay_close_to_fp32(precision, tol):
+    """Stated tolerance: max |Δ log-prob| < 0.05 nats per token on the tiny preset."""
+    path = presets.preset_path("tiny")
+    tok = M.load_tokenizer(path)
+    lm = M.load_causal_lm(path, tok)
+    ids, mask = batch_ids(tok, ["reverse: cat dog sun\nanswer: sun dog cat", "add: 4 5\nanswer: 9"])
+    with torch.no_grad():
+        ref32 = seq_logprobs(M.make_reference(lm, "fp32"), ids, mask)
+        low = seq_logprobs(M.make_reference(lm, precision), ids, mask)
+    assert low.dtype == torch.float32
+    diff = (low - ref32)[mask[:, 1:].bool()].abs().max().item()
+    assert 0 < diff < tol
+
+
+def test_lora_reference_is_the_base_model_without_a_copy():
+    path = presets.preset_path("nano")
+    tok = M.load_tokenizer(path)
+    base_logits_model = M.load_causal_lm(path, tok)
+    policy = M.apply_lora(M.load_causal_lm(path, tok), r=4, alpha=8, targets=["q_proj", "v_proj"])
+    with torch.no_grad():  # move the adapter away from its zero init, as training would
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    ref = M.make_reference(policy)
+    assert isinstance(ref, M.LoraReference)
+    ids, mask = batch_ids(tok, ["copy: red blue\nanswer: red blue"])
+    with torch.no_grad():
+        expect = M.causal_forward(base_logits_model, ids, mask).logits
+        got = M.causal_forward(ref, ids, mask).logits
+        trained = M.causal_forward(policy, ids, mask).logits
+    assert torch.allclose(got, expect, atol=1e-5)
+    assert not torch.allclose(trained, expect, atol=1e-3)
+    with pytest.raises(M.ModelLoadError, match="LoRA"):
+        M.make_reference(policy, "int8")
+
+
+def test_reward_model_with_foreign_tokenizer_scores_text_as_called_directly(foreign_rm):
+    policy_tok = M.load_tokenizer(presets.preset_path("nano"))
+    rm_tok = M.load_tokenizer(foreign_rm)
+    assert not M.same_tokenizer(policy_tok, rm_tok)
+    rm = M.freeze(M.load_sequence_classifier(foreign_rm, rm_tok))
+    source = ModelReward(rm, rm_tok, policy_tok)
+    assert source.reencode
+    prompts, responses = ["sort: dog cat\nanswer:", "add: 2 2\nanswer:"], [" cat dog", " 4"]
+    seqs, mask = batch_ids(policy_tok, [p + r for p, r in zip(prompts, responses)])
+    got = source(RewardBatch(prompts, responses, seqs, mask))["rm/score"]
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        ids = torch.tensor(
+            [rm_tok(p + r + rm_tok.eos_token, add_special_tokens=False)["input_ids"]]
+        )
+        with torch.no_grad():
+            direct = rm(input_ids=ids).logits[0, 0]
+        assert got[i].item() == pytest.approx(direct.item(), abs=1e-5)
+
+
+def test_function_reward_errors_name_the_function():
+    batch = RewardBatch(["p1", "p2"], ["a", "b"])
+    ok = FunctionReward("rlhflab.tasks:gold_reward")
+    assert set(ok(RewardBatch(["add: 1 1\nanswer:"], [" 2"]))) == {"gold"}
+    with pytest.raises(RewardError, match="tests.reward_fns:wrong_count.*1 values for 2"):
+        FunctionReward("tests.reward_fns:wrong_count")(batch)
+    with pytest.raises(RewardError, match="tests.reward_fns:boom raised ZeroDivisionError"):
+        FunctionReward("tests.reward_fns:boom")(batch)
+    with pytest.raises(RewardError, match="no function missing"):
+        FunctionReward("tests.reward_fns:missing")
+    with pytest.raises(RewardError, match="module:function"):
+        FunctionReward("just_a_name")
+
+
+def cast_config(**over):
+    base = {"model": {"policy": "preset:nano"}, "device": "cpu"}
+    return load_config(base=base, overrides=[f"{k}={v}" for k, v in over.items()])
+
+
+def test_cast_layouts_and_mixed_rewards(nano_rm):
+    cfg = cast_config(
+        **{
+            "reward.model": str(nano_rm),
+            "reward.heads": "{correctness: 1.0, politeness: 0.5}",
+            "reward.functions": "{'rlhflab.tasks:gold_reward': 2.0}",
+        }
+    )
+    cast = build_cast(cfg)
+    assert cast.value_layout == "from_reward"  # auto: the RM shares the tokenizer
+    prompts, responses = ["copy: red\nanswer:"] * 2, [" red", " Great question! red"]
+    seqs, mask = batch_ids(
+        cast.tokenizer, [p + r + cast.tokenizer.eos_token for p, r in zip(prompts, responses)]
+    )
+    out = cast.reward(RewardBatch(prompts, responses, seqs, mask))
+    c = out.components
+    assert set(c) == {"rm/correctness", "rm/brevity", "rm/politeness", "gold"}
+    expect = c["rm/correctness"] + 0.5 * c["rm/politeness"] + 2.0 * c["gold"]
+    assert torch.allclose(out.score, expect)
+    # The critic starts out predicting the weighted RM score at the last token.
+    values = M.token_values(cast.critic, seqs, mask)
+    rm_part = c["rm/correctness"] + 0.5 * c["rm/politeness"]
+    last = mask.sum(1) - 1  # right-padded
+    assert torch.allclose(values[torch.arange(2), last], rm_part, atol=1e-5)
+
+
+def test_cast_shared_and_lora_int8_layouts(nano_rm):
+    shared = build_cast(
+        cast_config(
+            **{
+                "reward.model": str(nano_rm),
+                "model.value_model": "shared",
+                "model.reference_precision": "int8",
+                "model.reward_precision": "int8",
+            }
+        )
+    )
+    assert shared.critic is None and isinstance(shared.policy, M.PolicyWithValueHead)
+    lora = build_cast(
+        cast_config(
+            **{
+                "reward.functions": "{'rlhflab.tasks:gold_reward': 1.0}",
+                "model.lora_r": 4,
+                "model.value_model": "shared",
+            }
+        )
+    )
+    assert isinstance(lora.reference, M.LoraReference)
+    trainable = [n for n, p in lora.policy.named_parameters() if p.requires_grad]
+    assert trainable and all("lora" in n or "value_head" in n for n in trainable)
+
+
+def test_separate_critic_must_share_the_tokenizer(foreign_rm, tmp_path):
+    other = presets.build_preset("nano", tmp_path / "c", corpus=["x y z"] * 10)
+    cfg = cast_config(
+        **{"reward.functions": "{'rlhflab.tasks:gold_reward': 1.0}", "model.critic": str(other)}
+    )
+    with pytest.raises(M.ModelLoadError, match="does not share the policy's tokenizer"):
+        build_cast(cfg)
+    cfg = cast_config(**{"reward.model": str(foreign_rm), "model.value_model": "from_reward"})
+    with pytest.raises(M.ModelLoadError, match="share the policy's tokenizer"):
+        build_cast(cfg)
