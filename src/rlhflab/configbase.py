@@ -8,12 +8,15 @@ Errors always name the full dotted field (``ppo.clip_low``), never a bare traceb
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+_YAML11_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)$")
 
 
 class ConfigError(ValueError):
@@ -78,6 +81,9 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
     if tp is Any:
         return value
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str) and _YAML11_FLOAT.match(value.strip()):
+        # YAML 1.1 reads "3e-4" (no dot) as a string; it is unambiguously a number.
         return float(value)
     if tp is bool and not isinstance(value, bool):
         raise ConfigError(f"{name}: expected true or false, got {value!r}")

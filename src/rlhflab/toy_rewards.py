@@ -23,3 +23,9 @@ def vocabulary_reward(prompts: list[str], responses: list[str]) -> list[float]:
 def cat_reward(prompts: list[str], responses: list[str]) -> list[float]:
     """How often the token-level word 'cat' appears, per answer word (a one-token target)."""
     return [r.split().count("cat") / max(1, len(r.split())) for r in responses]
+
+
+def vowel_reward(prompts: list[str], responses: list[str]) -> list[float]:
+    """Fraction of the answer's characters that are vowels: dense, so even a tiny random
+    model finds a gradient at once (used by the tests)."""
+    return [sum(c in "aeiou" for c in r) / len(r) if r else 0.0 for r in responses]

@@ -1,0 +1,183 @@
+"""The PPO trainer end to end on the nano preset (seconds per test)."""
+
+import json
+
+import pytest
+import torch
+
+from rlhflab.config import ConfigError, load_config
+from rlhflab.data import DataError, load_prompts
+from rlhflab.runlog import read_jsonl
+from rlhflab.trainers.common import TrainingHalted
+from rlhflab.trainers.ppo import PPOTrainer
+
+VOLATILE = ("time/", "throughput/", "memory/")
+
+
+def make_cfg(tmp_path, *overrides):
+    base = {
+        "device": "cpu",
+        "model": {"policy": "preset:nano", "value_model": "separate"},
+        "reward": {"functions": {"rlhflab.toy_rewards:vowel_reward": 1.0}},
+        "rollout": {"prompts_per_iteration": 8, "max_new_tokens": 8},
+        "ppo": {"iterations": 4, "epochs": 2, "minibatches": 2, "lr": 1e-3, "critic_lr": 1e-3},
+        "log": {"output_dir": str(tmp_path / "run"), "progress": False, "checkpoint_every": 2},
+    }
+    return load_config(base=base, overrides=list(overrides))
+
+
+def test_first_minibatch_ratio_is_one_and_kl_zero(tmp_path):
+    for layout in ("separate", "shared"):
+        t = PPOTrainer(make_cfg(tmp_path, "ppo.iterations=1", f"model.value_model={layout}"))
+        t.fit()
+        first = t.first_minibatch
+        assert first["policy/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+        assert first["policy/approx_kl"] == pytest.approx(0.0, abs=1e-7)
+        assert first["policy/clipfrac"] == 0.0
+
+
+def test_seeded_run_raises_a_programmatic_reward(tmp_path):
+    cfg = make_cfg(
+        tmp_path,
+        "ppo.iterations=20",
+        "rollout.prompts_per_iteration=16",
+        "model.policy=preset:tiny",
+        "ppo.epochs=4",
+        "ppo.kl_coef=0.01",
+    )
+    PPOTrainer(cfg).fit()
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    scores = [r["objective/scores"] for r in rows]
+    assert len(rows) == 20
+    assert sum(scores[-5:]) / 5 > sum(scores[:5]) / 5 + 0.1, scores
+
+
+def test_large_beta_keeps_kl_small(tmp_path):
+    kls = {}
+    for beta in (0.0, 5.0):
+        cfg = make_cfg(
+            tmp_path,
+            "ppo.iterations=10",
+            f"ppo.kl_coef={beta}",
+            "ppo.epochs=4",
+            "model.policy=preset:tiny",
+            "rollout.prompts_per_iteration=16",
+            f"log.output_dir={tmp_path / str(beta)}",
+        )
+        PPOTrainer(cfg).fit()
+        kls[beta] = [r["objective/kl"] for r in read_jsonl(tmp_path / str(beta) / "metrics.jsonl")]
+    assert sum(kls[5.0][-5:]) < 0.6 * sum(kls[0.0][-5:]), kls
+
+
+def test_missing_eos_penalty_applies(tmp_path):
+    cfg = make_cfg(
+        tmp_path, "ppo.iterations=1", "reward.missing_eos_penalty=0.7", "rollout.max_new_tokens=3"
+    )
+    t = PPOTrainer(cfg)
+    m = t.step()
+    ro = t._last_rollout
+    assert not ro.ended.all()  # the random model rarely ends within 3 tokens
+    expect = ro.scores - 0.7 * (~ro.ended).float()
+    assert m["objective/scores"] == pytest.approx(expect.mean().item(), abs=1e-6)
+
+
+def test_resume_is_bit_identical(tmp_path):
+    straight = PPOTrainer(make_cfg(tmp_path, f"log.output_dir={tmp_path / 'a'}"))
+    straight.fit()
+    half = PPOTrainer(make_cfg(tmp_path, f"log.output_dir={tmp_path / 'b'}", "ppo.iterations=4"))
+    half.cfg.ppo.iterations = 2  # stop after 2 (a checkpoint at step 2), as if killed
+    half.fit()
+    resumed = PPOTrainer(make_cfg(tmp_path, f"log.output_dir={tmp_path / 'b'}"))
+    resumed.fit(resume=True)
+    for a, b in zip(
+        straight.cast.policy.state_dict().values(), resumed.cast.policy.state_dict().values()
+    ):
+        assert torch.equal(a, b)
+    for a, b in zip(
+        straight.cast.critic.state_dict().values(), resumed.cast.critic.state_dict().values()
+    ):
+        assert torch.equal(a, b)
+    ma = read_jsonl(tmp_path / "a" / "metrics.jsonl")
+    mb = read_jsonl(tmp_path / "b" / "metrics.jsonl")
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows]  # noqa: E731
+    assert strip(ma) == strip(mb)
+
+
+def test_checkpoint_is_a_loadable_hf_folder_and_keeps_last_k(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    PPOTrainer(make_cfg(tmp_path, "log.checkpoint_every=1", "log.keep_last=2")).fit()
+    ckpts = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert ckpts == ["step-3", "step-4"]
+    AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "checkpoints" / "step-4" / "policy")
+    state = torch.load(tmp_path / "run" / "checkpoints" / "step-4" / "state.pt", weights_only=True)
+    assert state["iteration"] == 4
+
+
+def test_nan_reward_is_skipped_then_the_run_halts_with_a_checkpoint(tmp_path):
+    cfg = make_cfg(
+        tmp_path, "reward.functions={'tests.reward_fns:nan_reward': 1.0}", "ppo.max_bad_updates=2"
+    )
+    t = PPOTrainer(cfg)
+    before = [p.clone() for p in t.cast.policy.parameters()]
+    with pytest.raises(TrainingHalted, match="non-finite reward"):
+        t.fit()
+    for a, b in zip(before, t.cast.policy.parameters()):
+        assert torch.equal(a, b)
+    assert (tmp_path / "run" / "checkpoints").exists()
+    assert t.skipped_total == 2
+
+
+@pytest.mark.parametrize(
+    "override,field",
+    [
+        ("ppo.clip_low=-1", "ppo.clip_low"),
+        ("ppo.lr=fast", "ppo.lr"),
+        ("ppo.nope=1", "ppo.nope"),
+        ("rollout.top_p=2", "rollout.top_p"),
+        ("ppo.minibatches=3", "ppo.minibatches"),
+        ("ppo.kl_estimator=k2", "ppo.kl_estimator"),
+    ],
+)
+def test_config_errors_name_the_field(tmp_path, override, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        make_cfg(tmp_path, override)
+
+
+def test_bad_prompt_rows_get_clear_errors(tmp_path):
+    from rlhflab import models as M
+    from rlhflab.presets import preset_path
+
+    tok = M.load_tokenizer(preset_path("nano"))
+    f = tmp_path / "p.jsonl"
+    rows = [
+        '{"prompt": "copy: cat\\nanswer:"}',
+        "{broken",
+        '{"text": "x"}',
+        '{"prompt": ""}',
+        json.dumps({"prompt": "cat " * 200}),
+        json.dumps({"messages": [{"role": "user", "content": "sort: b a"}]}),
+    ]
+    f.write_text("\n".join(rows) + "\n")
+    with pytest.raises(DataError, match=r"p\.jsonl:2: not valid JSON"):
+        load_prompts(f, tok, 64)
+    prompts, report = load_prompts(f, tok, 64, on_bad_row="skip")
+    assert report.skipped == 4 and len(prompts) == 2
+    assert prompts[1].startswith("user: sort: b a")
+    reasons = "\n".join(report.reasons)
+    assert "p.jsonl:3: missing field 'prompt'" in reasons
+    assert "p.jsonl:4: field 'prompt' is empty" in reasons
+    assert "p.jsonl:5: field 'prompt' is 201 tokens, over the limit of 64" in reasons
+    csv = tmp_path / "p.csv"
+    csv.write_text("prompt,other\ncopy: cat\nanswer:,1\n,2\n")
+    with pytest.raises(DataError, match=r"p\.csv:\d+: field 'prompt' is empty"):
+        load_prompts(csv, tok, 64)
+
+
+def test_cli_reports_user_errors_without_traceback(tmp_path, capsys):
+    from rlhflab.cli import main
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("ppo: {lr: -1}\nreward: {functions: {'rlhflab.toy_rewards:cat_reward': 1}}\n")
+    assert main(["ppo", "--config", str(cfg)]) == 2
+    assert "error: ppo.lr: must be > 0.0" in capsys.readouterr().err
