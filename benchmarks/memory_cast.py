@@ -2,7 +2,8 @@
 
 Each layout runs in its own process: build the cast for a ~29M-parameter policy (the
 `medium` preset) with a reward model of the same size, then one PPO-shaped
-forward/backward/AdamW step of policy and critic on 8 sequences of 96 tokens.
+forward/backward/AdamW step of policy and critic on 8 sequences of 96 tokens, in
+micro-batches of 2 (gradient accumulation) in every layout.
 
 Reported per layout: the process's peak RSS, and the peak *above* the RSS right after
 importing torch and transformers (~350 MiB of libraries that every layout pays equally).
@@ -33,6 +34,9 @@ LAYOUTS = {
         "model.reward_precision": "int8",
     },
 }
+
+
+MICRO = 2  # sequences per micro-batch
 
 
 def current_rss() -> int:
@@ -66,20 +70,23 @@ def child(layout: str, rm_path: str) -> None:
     opt = torch.optim.AdamW(params, lr=1e-5)
     ids = torch.randint(3, len(cast.tokenizer), (8, 96))
     mask = torch.ones_like(ids)
-    with torch.no_grad():
-        ref = M.causal_forward(cast.reference, ids, mask).logits
-        from rlhflab.rewards import RewardBatch
+    from rlhflab.rewards import RewardBatch
 
+    with torch.no_grad():
         cast.reward(RewardBatch([""] * 8, [""] * 8, ids, mask))
-    if cast.shared:
-        logits, values = cast.policy(ids, mask)
-    else:
-        logits = M.causal_forward(cast.policy, ids, mask).logits
-        values = M.token_values(cast.critic, ids, mask)
-    lp = logprobs_from_logits(logits[:, :-1], ids[:, 1:])
-    ref_lp = logprobs_from_logits(ref[:, :-1], ids[:, 1:])
-    loss = (lp - ref_lp).pow(2).mean() + values.pow(2).mean()
-    loss.backward()
+    for s in range(0, 8, MICRO):  # gradient accumulation, identical in every layout
+        i, m = ids[s : s + MICRO], mask[s : s + MICRO]
+        with torch.no_grad():
+            ref = M.causal_forward(cast.reference, i, m).logits
+        if cast.shared:
+            logits, values = cast.policy(i, m)
+        else:
+            logits = M.causal_forward(cast.policy, i, m).logits
+            values = M.token_values(cast.critic, i, m)
+        lp = logprobs_from_logits(logits[:, :-1], i[:, 1:])
+        ref_lp = logprobs_from_logits(ref[:, :-1], i[:, 1:])
+        loss = (lp - ref_lp).pow(2).mean() + values.pow(2).mean()
+        loss.backward()
     opt.step()
     peak = peak_rss_bytes()
     print(json.dumps({"peak": peak, "cast_peak": peak - baseline}))

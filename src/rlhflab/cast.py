@@ -92,7 +92,9 @@ def build_cast(cfg: Config, device: torch.device | None = None) -> ModelCast:
     if cfg.reward.model:
         rm_path = M.resolve_path(cfg.reward.model, "reward.model")
         rm_tokenizer = M.load_tokenizer(rm_path, mc.trust_remote_code)
-        rm = M.load_sequence_classifier(rm_path, rm_tokenizer, mc.trust_remote_code)
+        rm = M.load_sequence_classifier(
+            rm_path, rm_tokenizer, mc.trust_remote_code, owned=mc.reward_precision != "fp32"
+        )
 
     layout = mc.value_model
     if layout == "auto":

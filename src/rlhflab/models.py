@@ -18,6 +18,34 @@ from torch import nn
 from rlhflab.presets import PAD, preset_path
 
 
+def _owned_memory_kwargs() -> dict:
+    """Ask transformers (>= 5) to read weights into memory instead of memory-mapping them.
+
+    Memory-mapped weights stay tied to the file: after an int8 or bf16 conversion the fp32
+    pages that were read remain resident as long as any tensor of the file lives, so the
+    frozen models would cost their fp32 size anyway (measured in benchmarks/memory_cast.py).
+    """
+    import inspect
+
+    from transformers import PreTrainedModel
+
+    params = inspect.signature(PreTrainedModel.from_pretrained).parameters
+    return {"disable_mmap": True} if "disable_mmap" in params else {}
+
+
+def release_freed_memory() -> None:
+    """Return freed heap pages to the OS (glibc ``malloc_trim``), so a transient copy made
+    while loading or converting a model does not stay resident for the rest of the run."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to do
+        pass
+
+
 def quiet_transformers() -> None:
     """Silence transformers' per-load progress bars; rlhflab shows its own per stage."""
     from transformers.utils import logging as hf_logging
@@ -94,9 +122,18 @@ def load_causal_lm(
 
 
 def load_sequence_classifier(
-    path: str | Path, tokenizer, trust_remote_code: bool = False, num_labels: int | None = None
+    path: str | Path,
+    tokenizer,
+    trust_remote_code: bool = False,
+    num_labels: int | None = None,
+    owned: bool = False,
 ):
-    """An HF sequence-classification model (reward model or critic); ``score`` is its head."""
+    """An HF sequence-classification model (reward model or critic); ``score`` is its head.
+
+    ``owned=True`` reads the weights into memory instead of memory-mapping the file: use it
+    for a model that will be converted to int8/bf16, whose fp32 pages would otherwise stay
+    resident with the mapping.
+    """
     from transformers import AutoModelForSequenceClassification
 
     quiet_transformers()
@@ -109,7 +146,10 @@ def load_sequence_classifier(
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model = AutoModelForSequenceClassification.from_pretrained(
-                path, trust_remote_code=trust_remote_code, **kwargs
+                path,
+                trust_remote_code=trust_remote_code,
+                **kwargs,
+                **(_owned_memory_kwargs() if owned else {}),
             )
     finally:
         hf_logging.set_verbosity(verbosity)
@@ -243,7 +283,9 @@ def set_precision(model: nn.Module, precision: str, device: torch.device | str =
     ``BitsAndBytesConfig(load_in_8bit=True)`` (see docs/memory.md); refused here.
     """
     if precision in PRECISION_DTYPES:
-        return model.to(PRECISION_DTYPES[precision])
+        model = model.to(PRECISION_DTYPES[precision])
+        release_freed_memory()
+        return model
     if precision != "int8":
         raise ValueError(f"unknown precision {precision!r}")
     if torch.device(device).type != "cpu":
@@ -256,7 +298,9 @@ def set_precision(model: nn.Module, precision: str, device: torch.device | str =
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the deprecation notices of torch.ao
         # in place: the caller already owns a copy, and a second one would double the peak
-        return quantize_dynamic(model.float(), {nn.Linear}, dtype=torch.qint8, inplace=True)
+        quantized = quantize_dynamic(model.float(), {nn.Linear}, dtype=torch.qint8, inplace=True)
+    release_freed_memory()
+    return quantized
 
 
 class Offloaded(nn.Module):
