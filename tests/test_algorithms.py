@@ -439,6 +439,12 @@ def test_pairwise_reward_loss_matches_formula():
     )
     assert A.pairwise_reward_loss(c, r, margin).item() == pytest.approx(expect, rel=1e-12)
     assert A.pairwise_reward_loss(c, r).item() < A.pairwise_reward_loss(c, r, 1.0).item()
+    # soft labels: y = 1 is the plain loss, y = 0 swaps the pair, y = 0.5 averages both
+    ones, zeros = torch.ones(6, dtype=torch.float64), torch.zeros(6, dtype=torch.float64)
+    assert torch.allclose(A.pairwise_reward_loss(c, r, labels=ones), A.pairwise_reward_loss(c, r))
+    assert torch.allclose(A.pairwise_reward_loss(c, r, labels=zeros), A.pairwise_reward_loss(r, c))
+    half = A.pairwise_reward_loss(c, r, labels=ones * 0.5)
+    assert torch.allclose(half, 0.5 * (A.pairwise_reward_loss(c, r) + A.pairwise_reward_loss(r, c)))
 
 
 # ----------------------------------------------------------------------------- KL controllers

@@ -495,17 +495,25 @@ def pairwise_reward_loss(
     chosen_scores: torch.Tensor,
     rejected_scores: torch.Tensor,
     margin: torch.Tensor | float | None = None,
+    labels: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Bradley-Terry reward-model loss: mean of −log σ(s_chosen − s_rejected − margin).
 
     chosen_scores, rejected_scores: (N,); margin: None, a float or (N,) (Llama-2's margin
     loss, Touvron et al. 2023 §3.2.2). Returns a scalar.
+
+    ``labels`` (N,) in [0, 1] makes it the soft Bradley-Terry loss for per-attribute labels:
+    −[y·log σ(d − m) + (1 − y)·log σ(−d − m)] with d = chosen − rejected; y = 1 is the plain
+    loss, y = 0 says "rejected" is better on this attribute, y = 0.5 a tie (pulls d to 0).
     """
     _check_same_shape(chosen_scores=chosen_scores, rejected_scores=rejected_scores)
     diff = chosen_scores - rejected_scores
-    if margin is not None:
-        diff = diff - margin
-    return -F.logsigmoid(diff).mean()
+    m = 0.0 if margin is None else margin
+    if labels is None:
+        return -F.logsigmoid(diff - m).mean()
+    _check_same_shape(chosen_scores=chosen_scores, labels=labels)
+    y = labels.to(diff.dtype)
+    return -(y * F.logsigmoid(diff - m) + (1.0 - y) * F.logsigmoid(-diff - m)).mean()
 
 
 # --------------------------------------------------------------------------- KL controllers

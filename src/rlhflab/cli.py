@@ -26,6 +26,20 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _config_args(sub.add_parser("memory", help="bytes of each model in the configured cast"))
     sub.add_parser("config", help="print every PPO config field with its default and why")
+    _config_args(sub.add_parser("sft", help="supervised fine-tuning on response tokens"))
+    _config_args(sub.add_parser("rm", help="Bradley-Terry reward-model training"))
+    demo = sub.add_parser("demo", help="SFT → RM → PPO on the built-in task, then evaluate")
+    from rlhflab.demo import PRESETS
+
+    demo.add_argument(
+        "--preset",
+        default="default",
+        choices=sorted(PRESETS),
+        help="; ".join(f"{k}: {v['doc']}" for k, v in PRESETS.items()),
+    )
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--out", default="runs", help="folder for runs/<preset>-s<seed>/")
+    demo.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides")
     ppo = sub.add_parser("ppo", help="PPO against a reward model")
     _config_args(ppo)
     ppo.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
@@ -61,7 +75,45 @@ def cmd_ppo(args) -> int:
     return 0
 
 
-COMMANDS = {"memory": cmd_memory, "config": cmd_config, "ppo": cmd_ppo}
+def cmd_sft(args) -> int:
+    from rlhflab.config import load_config
+    from rlhflab.trainers.sft import train_sft
+
+    result = train_sft(load_config(args.config, args.overrides, stage="sft"))
+    print(
+        f"SFT loss {result['loss_first']:.3f} → {result['loss_last']:.3f}; "
+        f"model saved to {result['output_dir']}"
+    )
+    return 0
+
+
+def cmd_rm(args) -> int:
+    from rlhflab.config import load_config
+    from rlhflab.trainers.rm import train_rm
+
+    result = train_rm(load_config(args.config, args.overrides, stage="rm"))
+    acc = ", ".join(f"{k} {v:.3f}" for k, v in result["heldout_accuracy"].items())
+    print(f"held-out pairwise accuracy: {acc}; model saved to {result['output_dir']}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from rlhflab.demo import format_summary, run_demo
+
+    summary = run_demo(args.preset, args.seed, args.out, args.overrides)
+    print(format_summary(summary))
+    print(f"summary: {args.out}/{args.preset}-s{args.seed}/summary.json")
+    return 0
+
+
+COMMANDS = {
+    "memory": cmd_memory,
+    "config": cmd_config,
+    "ppo": cmd_ppo,
+    "sft": cmd_sft,
+    "rm": cmd_rm,
+    "demo": cmd_demo,
+}
 
 
 def user_errors() -> tuple[type[BaseException], ...]:

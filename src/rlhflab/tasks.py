@@ -118,20 +118,34 @@ def gold_reward(prompts: list[str], responses: list[str]) -> dict[str, list[floa
 # ----------------------------------------------------------------------------- teacher, annotator
 
 
+def wrong_answer(ex: Example, rng: random.Random) -> list[str]:
+    """A plausible mistake: off-by-one sums; shuffled, dropped, swapped-in or extra words."""
+    if ex.skill == "add":
+        return [str(max(0, int(ex.answer) + rng.choice((-2, -1, 1, 2))))]
+    right = ex.answer.split()
+    for _ in range(20):
+        words = right[:]
+        mode = rng.choice(("shuffle", "drop", "substitute", "extra"))
+        if mode == "shuffle":
+            rng.shuffle(words)
+        elif mode == "drop":
+            words.pop(rng.randrange(len(words)))
+        elif mode == "substitute":
+            words[rng.randrange(len(words))] = rng.choice(WORDS)
+        else:
+            words.insert(rng.randrange(len(words) + 1), rng.choice(WORDS))
+        if words != right:
+            return words
+    return right[::-1] if len(set(right)) > 1 else right + right[:1]
+
+
 def teacher_response(
     ex: Example, rng: random.Random, p_wrong=0.3, p_flattery=0.3, p_repeat=0.2
 ) -> str:
     """A noisy teacher: right most of the time, sometimes wrong, flattering or repetitive."""
     words = ex.answer.split()
     if rng.random() < p_wrong:
-        if ex.skill == "add":
-            words = [str(int(ex.answer) + rng.choice((-1, 1, 2)))]
-        else:
-            words = words[:]
-            while words == ex.answer.split():
-                rng.shuffle(words)
-                if len(words) < 3 and rng.random() < 0.5:
-                    words = words + [rng.choice(WORDS)]
+        words = wrong_answer(ex, rng)
     if rng.random() < p_repeat:
         words = words + words
     text = " ".join(words)

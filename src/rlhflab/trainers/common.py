@@ -31,9 +31,14 @@ def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_scheduler(opt, p, total_steps: int):
+def build_optimizer_simple(params, lr: float) -> torch.optim.Optimizer:
+    """AdamW with torch's defaults, for the supervised stages (SFT, reward model)."""
+    return torch.optim.AdamW(params, lr=lr)
+
+
+def build_scheduler(opt, warmup_steps: int, total_steps: int, schedule: str):
     return torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: lr_factor(s, p.warmup_steps, total_steps, p.lr_schedule)
+        opt, lambda s: lr_factor(s, warmup_steps, total_steps, schedule)
     )
 
 

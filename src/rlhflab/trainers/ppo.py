@@ -103,13 +103,15 @@ class PPOTrainer:
                 {"params": list(self.cast.policy.value_head.parameters()), "lr": p.critic_lr}
             )
         self.opt = build_optimizer(groups, p)
-        self.sched = build_scheduler(self.opt, p, total_steps)
+        self.sched = build_scheduler(self.opt, p.warmup_steps, total_steps, p.lr_schedule)
         self.critic_opt = self.critic_sched = None
         if self.cast.critic is not None:
             self.critic_opt = build_optimizer(
                 [{"params": list(self.cast.critic.parameters()), "lr": p.critic_lr}], p
             )
-            self.critic_sched = build_scheduler(self.critic_opt, p, total_steps)
+            self.critic_sched = build_scheduler(
+                self.critic_opt, p.warmup_steps, total_steps, p.lr_schedule
+            )
         self.kl_ctl = (
             A.AdaptiveKLController(p.kl_coef, p.kl_target, p.kl_horizon)
             if p.kl_target

@@ -1,0 +1,194 @@
+"""Bradley-Terry reward-model training, multi-head with weights (``rlhflab rm``).
+
+Head ``preference`` learns the annotator's overall choice (chosen ≻ rejected); every other
+head learns the per-attribute label of its name (1: chosen better, 0: worse, 0.5: tie) with
+the soft Bradley-Terry loss. The training loss is the weighted mean of the head losses.
+Held-out pairwise accuracy is reported per head (ties excluded).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from rlhflab import algorithms as A
+from rlhflab import models as M
+from rlhflab import tasks
+from rlhflab.config import Config, ConfigError
+from rlhflab.data import DataError, PreferencePair, load_preferences
+from rlhflab.rewards import last_real_index
+from rlhflab.trainers.common import build_optimizer_simple, build_scheduler, progress
+
+log = logging.getLogger(__name__)
+
+
+def builtin_pairs(cfg: Config) -> list[PreferencePair]:
+    """Two distinct noisy-teacher answers per prompt, labelled by the simulated annotator."""
+    r = cfg.rm
+    rng = random.Random(cfg.seed + 29)
+    pairs = []
+    for ex in tasks.make_examples(r.pairs, cfg.seed + 3):
+        a = tasks.teacher_response(ex, rng)
+        b = a
+        for _ in range(20):
+            if b != a:
+                break
+            b = tasks.teacher_response(ex, rng)
+        if a == b:
+            continue
+        pref = tasks.annotate(
+            ex.prompt, " " + a, " " + b, rng, r.noise, r.length_bias, r.flattery_bias
+        )
+        pairs.append(PreferencePair(pref.prompt, pref.chosen, pref.rejected, pref.labels))
+    return pairs
+
+
+def head_targets(pairs: list[PreferencePair], heads: list[str], where: str) -> torch.Tensor:
+    """(N, K) labels in [0, 1], NaN where a pair has no label for a head."""
+    out = torch.full((len(pairs), len(heads)), float("nan"))
+    for i, p in enumerate(pairs):
+        for k, h in enumerate(heads):
+            if h == "preference":
+                out[i, k] = 1.0
+            elif h in p.labels:
+                out[i, k] = float(p.labels[h])
+    for k, h in enumerate(heads):
+        if torch.isnan(out[:, k]).all():
+            raise ConfigError(f"rm.heads: no pair in {where} has a label for head '{h}'")
+    return out
+
+
+def score_texts(model, tokenizer, texts: list[str], device) -> torch.Tensor:
+    """(N, K) head scores at the last real token of each text (+ EOS)."""
+    enc = tokenizer(
+        [t + tokenizer.eos_token for t in texts],
+        return_tensors="pt",
+        padding=True,
+        add_special_tokens=False,
+    )
+    ids, mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
+    hidden = M.backbone_hidden(model, ids, mask)
+    last = hidden[torch.arange(ids.shape[0], device=device), last_real_index(mask)]
+    return model.score(last).float()
+
+
+def pair_loss(model, tokenizer, pairs, targets, weights, margin, device):
+    """Weighted soft Bradley-Terry loss over heads; also returns the (N, K) score gaps."""
+    texts = [p.prompt + p.chosen for p in pairs] + [p.prompt + p.rejected for p in pairs]
+    scores = score_texts(model, tokenizer, texts, device)
+    n = len(pairs)
+    diff = scores[:n] - scores[n:]
+    total = diff.new_zeros(())
+    for k in range(diff.shape[1]):
+        has = ~torch.isnan(targets[:, k])
+        if has.any():
+            loss_k = A.pairwise_reward_loss(
+                scores[:n][has, k], scores[n:][has, k], margin, labels=targets[has, k].to(device)
+            )
+            total = total + weights[k] * loss_k
+    return total / sum(weights), diff.detach()
+
+
+@torch.no_grad()
+def heldout_accuracy(model, tokenizer, pairs, targets, heads, device, batch=64) -> dict:
+    model.eval()
+    diffs = torch.cat(
+        [
+            pair_loss(
+                model,
+                tokenizer,
+                pairs[s : s + batch],
+                targets[s : s + batch],
+                [1.0] * len(heads),
+                None,
+                device,
+            )[1].cpu()
+            for s in range(0, len(pairs), batch)
+        ]
+    )
+    model.train()
+    acc = {}
+    for k, h in enumerate(heads):
+        decided = ~torch.isnan(targets[:, k]) & (targets[:, k] != 0.5)
+        if decided.any():
+            right = (diffs[decided, k] > 0) == (targets[decided, k] > 0.5)
+            acc[h] = right.float().mean().item()
+    return acc
+
+
+def train_rm(cfg: Config) -> dict:
+    r = cfg.rm
+    torch.manual_seed(cfg.seed)
+    device = torch.device("cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu")
+    heads = list(r.heads)
+    if not heads:
+        raise ConfigError("rm.heads: at least one head is needed")
+    init = M.resolve_path(r.init or cfg.model.policy, "rm.init")
+    tokenizer = M.load_tokenizer(init, cfg.model.trust_remote_code)
+    model = (
+        M.load_sequence_classifier(
+            init, tokenizer, cfg.model.trust_remote_code, num_labels=len(heads)
+        )
+        .to(device)
+        .train()
+    )
+    model.config.id2label = dict(enumerate(heads))
+    model.config.label2id = {h: i for i, h in enumerate(heads)}
+    pairs = load_preferences(r.data) if r.data else builtin_pairs(cfg)
+    where = r.data or "the built-in pairs"
+    random.Random(cfg.seed).shuffle(pairs)
+    n_held = max(1, int(len(pairs) * r.heldout_fraction))
+    held, train = pairs[:n_held], pairs[n_held:]
+    if not train:
+        raise DataError(f"{where}: too few pairs to hold out {n_held} and still train")
+    train_t, held_t = head_targets(train, heads, where), head_targets(held, heads, where)
+    weights = [r.heads[h] for h in heads]
+    opt = build_optimizer_simple(model.parameters(), r.lr)
+    sched = build_scheduler(opt, r.warmup_steps, r.steps, "cosine")
+    gen = torch.Generator().manual_seed(cfg.seed)
+    start, losses = time.perf_counter(), []
+    bar = progress(range(r.steps), cfg.log.progress, "RM")
+    for step in bar:
+        idx = torch.randint(len(train), (r.batch_size,), generator=gen)
+        loss, _ = pair_loss(
+            model,
+            tokenizer,
+            [train[i] for i in idx.tolist()],
+            train_t[idx],
+            weights,
+            r.margin,
+            device,
+        )
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"RM step {step + 1}: non-finite loss; lower rm.lr")
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        if hasattr(bar, "set_postfix") and step % 10 == 0:
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+    accuracy = heldout_accuracy(model, tokenizer, held, held_t, heads, device)
+    out = Path(r.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    result = {
+        "heldout_accuracy": accuracy,
+        "pairs": len(pairs),
+        "heldout_pairs": len(held),
+        "loss_last": sum(losses[-20:]) / len(losses[-20:]),
+        "seconds": time.perf_counter() - start,
+        "output_dir": str(out),
+    }
+    log.info(
+        "RM done: held-out accuracy %s, saved to %s",
+        {k: round(v, 3) for k, v in accuracy.items()},
+        out,
+    )
+    return result

@@ -1,0 +1,117 @@
+"""Supervised fine-tuning: next-token loss on the response tokens only (``rlhflab sft``).
+
+A sequence is ``prompt + response + EOS``; the loss covers the response tokens and the EOS
+(the model must learn to stop) and never the prompt.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from rlhflab import algorithms as A
+from rlhflab import models as M
+from rlhflab import tasks
+from rlhflab.config import Config
+from rlhflab.data import DataError, iter_rows
+from rlhflab.trainers.common import build_optimizer_simple, build_scheduler, progress
+
+log = logging.getLogger(__name__)
+
+
+def builtin_sft_pairs(n: int, seed: int) -> list[tuple[str, str]]:
+    """(prompt, response) pairs from the noisy teacher of the built-in task."""
+    rng = random.Random(seed + 17)
+    return [
+        (ex.prompt, " " + tasks.teacher_response(ex, rng)) for ex in tasks.make_examples(n, seed)
+    ]
+
+
+def load_sft_pairs(path) -> list[tuple[str, str]]:
+    pairs = []
+    for n, row in iter_rows(path):
+        if isinstance(row, DataError):
+            raise row
+        for key in ("prompt", "response"):
+            if not isinstance(row.get(key), str) or not row[key].strip():
+                raise DataError(f"{path}:{n}: field '{key}' must be a non-empty string")
+        pairs.append((row["prompt"], row["response"]))
+    if not pairs:
+        raise DataError(f"{path}: no SFT rows")
+    return pairs
+
+
+def encode_pairs(tokenizer, pairs: list[tuple[str, str]]):
+    """Right-padded ids (B, L), attention mask (B, L), and a loss mask that is 1 on the
+    response tokens and the EOS."""
+    rows, masks = [], []
+    for prompt, response in pairs:
+        p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        r = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        rows.append(p + r)
+        masks.append([0] * len(p) + [1] * len(r))
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    attn = torch.zeros((len(rows), width), dtype=torch.long)
+    loss_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (r, m) in enumerate(zip(rows, masks)):
+        ids[i, : len(r)] = torch.tensor(r)
+        attn[i, : len(r)] = 1
+        loss_mask[i, : len(m)] = torch.tensor(m)
+    return ids, attn, loss_mask
+
+
+def response_nll(model, tokenizer, pairs, device) -> torch.Tensor:
+    """Mean negative log-likelihood per response token (the SFT loss)."""
+    ids, attn, loss_mask = (t.to(device) for t in encode_pairs(tokenizer, pairs))
+    logits = M.causal_forward(model, ids, attn).logits[:, :-1]
+    logp = A.logprobs_from_logits(logits, ids[:, 1:])
+    return -A.masked_mean(logp, loss_mask[:, 1:])
+
+
+def train_sft(cfg: Config) -> dict:
+    s = cfg.sft
+    torch.manual_seed(cfg.seed)
+    device = torch.device("cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu")
+    path = M.resolve_path(cfg.model.policy, "model.policy")
+    tokenizer = M.load_tokenizer(path, cfg.model.trust_remote_code)
+    model = M.load_causal_lm(path, tokenizer, cfg.model.trust_remote_code).to(device).train()
+    pairs = load_sft_pairs(s.data) if s.data else builtin_sft_pairs(s.examples, cfg.seed)
+    opt = build_optimizer_simple(model.parameters(), s.lr)
+    sched = build_scheduler(opt, s.warmup_steps, s.steps, "cosine")
+    gen = torch.Generator().manual_seed(cfg.seed)
+    losses, start = [], time.perf_counter()
+    bar = progress(range(s.steps), cfg.log.progress, "SFT")
+    for step in bar:
+        idx = torch.randint(len(pairs), (s.batch_size,), generator=gen).tolist()
+        loss = response_nll(model, tokenizer, [pairs[i] for i in idx], device)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"SFT step {step + 1}: non-finite loss; lower sft.lr")
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        if hasattr(bar, "set_postfix") and step % 10 == 0:
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+    out = Path(s.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    result = {
+        "loss_first": losses[0],
+        "loss_last": sum(losses[-20:]) / len(losses[-20:]),
+        "steps": s.steps,
+        "examples": len(pairs),
+        "seconds": time.perf_counter() - start,
+        "output_dir": str(out),
+    }
+    log.info(
+        "SFT done: loss %.3f → %.3f, saved to %s", result["loss_first"], result["loss_last"], out
+    )
+    return result
