@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--out", default="runs", help="folder for runs/<preset>-s<seed>/")
     demo.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides")
+    report = sub.add_parser("report", help="write RUN_DIR/report.html (self-contained)")
+    report.add_argument("run_dir", help="a PPO run directory (log.output_dir)")
     ppo = sub.add_parser("ppo", help="PPO against a reward model")
     _config_args(ppo)
     ppo.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
@@ -103,6 +105,19 @@ def cmd_demo(args) -> int:
     summary = run_demo(args.preset, args.seed, args.out, args.overrides)
     print(format_summary(summary))
     print(f"summary: {args.out}/{args.preset}-s{args.seed}/summary.json")
+    print(f"report:  {summary['report']}")
+    return 0
+
+
+def cmd_report(args) -> int:
+    from rlhflab.report import build_report
+
+    try:
+        path = build_report(args.run_dir)
+    except FileNotFoundError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"report: {path}")
     return 0
 
 
@@ -113,6 +128,7 @@ COMMANDS = {
     "sft": cmd_sft,
     "rm": cmd_rm,
     "demo": cmd_demo,
+    "report": cmd_report,
 }
 
 

@@ -283,6 +283,55 @@ class LogConfig:
 
 
 @dataclass
+class MonitorConfig:
+    enabled: bool = setting(True, "Compute the reward-hacking signals every iteration.")
+    response: str = setting(
+        "warn",
+        "What an alert does: 'warn' logs it; 'raise_kl' multiplies β by kl_factor; 'stop' "
+        "checkpoints and stops with a message naming the signal and what to try.",
+        choices=("warn", "raise_kl", "stop"),
+    )
+    kl_factor: float = setting(1.5, "β multiplier for response 'raise_kl'.", low=1.0)
+    gold: str | None = setting(
+        None,
+        "A gold reward 'module:function' (same contract as reward.functions) to measure "
+        "the proxy against. The built-in task's is rlhflab.tasks:gold_reward.",
+    )
+    reference_every: int = setting(
+        1,
+        "Sample the reference's answers to the batch's prompts every N iterations for the "
+        "length-drift signal (one extra generation); 0 = off.",
+        low=0,
+    )
+    phrases: list[str] = setting(
+        [
+            "Great question",
+            "I'm happy to help",
+            "What a wonderful",
+            "这是一个很好的问题",
+            "我很乐意帮助你",
+        ],
+        "Flattery phrases counted by the flattery_rate signal.",
+    )
+    ngram: int = setting(3, "n of the repeated-n-gram and distinct-n signals (tokens).", low=1)
+    warmup_iterations: int = setting(2, "No alert in the first N iterations.", low=0)
+    smoothing: float = setting(0.7, "EMA factor for the gold/proxy trend.", low=0.0, high=0.99)
+    length_ratio: float | None = setting(1.5, "Alert above this length ratio to the reference.")
+    flattery_rate: float | None = setting(0.5, "Alert above this share of flattering answers.")
+    repeated_ngram_rate: float | None = setting(0.3, "Alert above this repeated n-gram share.")
+    reward_length_corr: float | None = setting(0.8, "Alert above this score–length correlation.")
+    gold_drop: float | None = setting(
+        0.1,
+        "Alert when the smoothed gold reward is this far below its best while the proxy "
+        "rises (gold-reward units).",
+    )
+    kl_limit: float | None = setting(
+        None, "Alert above this KL (nats per answer). None: 2 × ppo.kl_target when set, else off."
+    )
+    entropy_ratio: float | None = setting(0.2, "Alert below this share of the initial entropy.")
+
+
+@dataclass
 class SFTConfig:
     data: str | None = setting(
         None,
@@ -361,6 +410,7 @@ class Config:
     ppo: PPOConfig = section(PPOConfig, "The PPO update.")
     data: DataConfig = section(DataConfig, "Prompts.")
     log: LogConfig = section(LogConfig, "Run directory, logging and checkpoints.")
+    monitor: MonitorConfig = section(MonitorConfig, "Reward-hacking monitors and alerts.")
     sft: SFTConfig = section(SFTConfig, "Supervised fine-tuning (rlhflab sft).")
     rm: RMConfig = section(RMConfig, "Reward-model training (rlhflab rm).")
 

@@ -26,6 +26,8 @@ _COMMON = {
     "rollout": {"prompts_per_iteration": 64, "max_new_tokens": 24},
     "ppo": {"epochs": 4, "minibatches": 4, "lr": 5e-5, "critic_lr": 2e-4, "kl_coef": 0.1},
     "log": {"sample_every": 5, "checkpoint_every": 1000},
+    # the built-in task has a gold reward: the monitors measure the proxy against it
+    "monitor": {"gold": "rlhflab.tasks:gold_reward"},
 }
 
 # Each preset is a set of config overrides on top of _COMMON (dotted keys) plus how many
@@ -162,6 +164,9 @@ def run_demo(
         "timing": timing,
     }
     (run / "summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False))
+    from rlhflab.report import build_report
+
+    summary["report"] = str(build_report(cfg.log.output_dir))
     return summary
 
 

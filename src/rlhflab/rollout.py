@@ -80,7 +80,13 @@ def _cache_kwarg(model) -> str:
     """transformers 5.x renamed ``past_key_values`` to ``cache``; support both."""
     import inspect
 
-    core = model.get_base_model() if hasattr(model, "get_base_model") else model
+    core = model
+    if isinstance(core, M.Offloaded):
+        core = core.model
+    if isinstance(core, M.LoraReference):
+        core = core.peft_model
+    if hasattr(core, "get_base_model"):
+        core = core.get_base_model()
     params = inspect.signature(type(core).forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 

@@ -28,12 +28,14 @@ class RunLog:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.samples_path = self.run_dir / "samples.jsonl"
+        self.alerts_path = self.run_dir / "alerts.jsonl"
+        paths = (self.metrics_path, self.samples_path, self.alerts_path)
         if resume_step is not None:
             # Lines written after the checkpoint belong to iterations that will run again.
-            for p in (self.metrics_path, self.samples_path):
+            for p in paths:
                 self._truncate_after(p, resume_step)
         else:
-            for p in (self.metrics_path, self.samples_path):
+            for p in paths:
                 p.unlink(missing_ok=True)
         self.tb = self.wandb = None
         if tensorboard:
@@ -79,6 +81,13 @@ class RunLog:
         with self.samples_path.open("a", encoding="utf-8") as f:
             for r in rows:
                 f.write(json.dumps({"iteration": iteration, **r}, ensure_ascii=False) + "\n")
+
+    def alerts(self, rows: list[dict]) -> None:
+        if not rows:
+            return
+        with self.alerts_path.open("a", encoding="utf-8") as f:
+            for r in rows:
+                f.write(json.dumps(r, ensure_ascii=False) + "\n")
 
     def close(self) -> None:
         if self.tb is not None:

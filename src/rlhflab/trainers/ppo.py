@@ -26,7 +26,8 @@ from rlhflab.config import Config
 from rlhflab.configbase import to_dict
 from rlhflab.memory import peak_rss_bytes
 from rlhflab.models import token_values
-from rlhflab.rewards import RunningMoments
+from rlhflab.monitor import HackingMonitor
+from rlhflab.rewards import FunctionReward, RunningMoments
 from rlhflab.rollout import (
     Rollout,
     generate_rollout,
@@ -120,7 +121,14 @@ class PPOTrainer:
         self.gens = {
             "sample": torch.Generator(device=self.device).manual_seed(cfg.seed),
             "shuffle": torch.Generator().manual_seed(cfg.seed + 1),
+            # the monitor's reference samples draw from their own stream, so switching the
+            # monitor on or off never changes what the policy samples
+            "monitor": torch.Generator(device=self.device).manual_seed(cfg.seed + 2),
         }
+        self.monitor = None
+        if cfg.monitor.enabled:
+            gold = FunctionReward(cfg.monitor.gold) if cfg.monitor.gold else None
+            self.monitor = HackingMonitor(cfg.monitor, gold, p.kl_target)
         self.moments = RunningMoments()
         self.skipped_total = self.consecutive_bad = 0
         self.iteration = 0
@@ -231,6 +239,8 @@ class PPOTrainer:
             "faults/skipped_updates": self.skipped_total,
             "lr/policy": self.opt.param_groups[0]["lr"],
         }
+        if self.monitor is not None:
+            metrics.update(self._watch(rollout, metrics))
         for cb in self.callbacks:
             cb(self, rollout, metrics)
 
@@ -238,6 +248,35 @@ class PPOTrainer:
         self.kl_ctl.update(seq_kl.mean().item(), len(rollout))
         self._last_rollout = rollout
         return metrics
+
+    def _watch(self, rollout: Rollout, metrics: dict) -> dict[str, float]:
+        """Step 9b: reward-hacking signals, alerts, and the configured reaction."""
+        mc, r = self.cfg.monitor, self.cfg.rollout
+        it = self.iteration + 1
+        ref_lengths = None
+        if mc.reference_every and it % mc.reference_every == 0:
+            ref = generate_rollout(
+                self.cast.reference,
+                self.cast.tokenizer,
+                rollout.prompts,
+                r.max_new_tokens,
+                r.temperature,
+                r.top_k,
+                r.top_p,
+                self.gens["monitor"],
+                self.device,
+            )
+            ref_lengths = ref.response_mask.sum(1)
+        signals = self.monitor.signals(rollout, metrics, ref_lengths)
+        alerts = self.monitor.check(it, signals)
+        for alert in alerts:
+            log.warning("%s", alert.message())
+            if mc.response == "raise_kl":
+                self.kl_ctl.value *= mc.kl_factor
+                log.warning("monitor.response=raise_kl: β → %.4g", self.kl_ctl.value)
+            elif mc.response == "stop" and self.stop_reason is None:
+                self.stop_reason = f"{alert.message()} (monitor.response=stop)"
+        return {**{f"monitor/{k}": v for k, v in signals.items()}, "monitor/alerts": len(alerts)}
 
     def _normalise(self, scores: torch.Tensor) -> torch.Tensor:
         mode, clip = self.cfg.reward.normalize, self.cfg.reward.clip
@@ -401,6 +440,7 @@ class PPOTrainer:
             "rng": C.rng_state(self.gens),
             "data": self.stream.state_dict(),
             "moments": self.moments.state_dict(),
+            "monitor": self.monitor.state.state_dict() if self.monitor else {},
             "faults": {"skipped_total": self.skipped_total, "consecutive": self.consecutive_bad},
         }
 
@@ -415,6 +455,8 @@ class PPOTrainer:
         C.restore_rng(s["rng"], self.gens)
         self.stream.load_state_dict(s["data"])
         self.moments.load_state_dict(s["moments"])
+        if self.monitor is not None and s.get("monitor"):
+            self.monitor.state.load_state_dict(s["monitor"])
         self.skipped_total = int(s["faults"]["skipped_total"])
         self.consecutive_bad = int(s["faults"]["consecutive"])
 
@@ -450,6 +492,9 @@ class PPOTrainer:
                 metrics = self.step()
                 self.iteration += 1
                 runlog.metrics(self.iteration, metrics)
+                if self.monitor is not None:
+                    new = [a for a in self.monitor.state.alerts if a.iteration == self.iteration]
+                    runlog.alerts([vars(a) | {"message": a.message()} for a in new])
                 if cfg.log.samples_per_log and self.iteration % cfg.log.sample_every == 0:
                     runlog.samples(self.iteration, self.sample_rows(cfg.log.samples_per_log))
                 if hasattr(bar, "set_postfix"):

@@ -1,0 +1,124 @@
+"""Reward-hacking monitors and the HTML report."""
+
+import pytest
+import torch
+
+from rlhflab.config import load_config
+from rlhflab.monitor import HackingMonitor, distinct_n, pearson, repeated_ngram_rate
+from rlhflab.report import build_report, line_chart
+from rlhflab.rollout import Rollout
+from rlhflab.trainers.ppo import PPOTrainer
+
+
+def test_repetition_and_correlation_signals():
+    assert repeated_ngram_rate([1, 2, 3, 4], 2) == 0.0
+    assert repeated_ngram_rate([1, 2, 1, 2, 1, 2], 2) == pytest.approx(3 / 5)
+    assert distinct_n([[1, 2, 3], [1, 2, 3]], 2) == pytest.approx(2 / 4)
+    assert pearson(torch.tensor([1.0, 2, 3]), torch.tensor([2.0, 4, 6])) == pytest.approx(1.0)
+    assert pearson(torch.tensor([1.0, 1, 1]), torch.tensor([2.0, 4, 6])) == 0.0
+
+
+def fake_rollout(responses, scores, lengths):
+    B, T = len(responses), max(lengths)
+    mask = (torch.arange(T)[None] < torch.tensor(lengths)[:, None]).long()
+    ids = torch.arange(B * T).reshape(B, T) % 7
+    return Rollout(
+        torch.zeros(B, 1, dtype=torch.long),
+        torch.ones(B, 1, dtype=torch.long),
+        ids,
+        mask,
+        torch.ones(B, dtype=torch.bool),
+        ["p"] * B,
+        responses,
+        scores=torch.tensor(scores),
+    )
+
+
+def test_monitor_thresholds_fire_and_warmup_is_respected():
+    cfg = load_config(
+        overrides=[
+            "reward.functions={'rlhflab.toy_rewards:vowel_reward': 1}",
+            "monitor.warmup_iterations=1",
+        ]
+    )
+    mon = HackingMonitor(cfg.monitor)
+    ro = fake_rollout(["Great question! a", "Great question! b"], [1.0, 2.0], [3, 6])
+    metrics = {"objective/scores": 1.5, "objective/kl": 0.1, "policy/entropy": 2.0}
+    sig = mon.signals(ro, metrics, ref_lengths=torch.tensor([2, 2]))
+    assert sig["flattery_rate"] == 1.0 and sig["length_ratio"] == pytest.approx(4.5 / 2)
+    assert sig["reward_length_corr"] == pytest.approx(1.0)
+    assert mon.check(1, sig) == []  # warm-up
+    fired = {a.signal for a in mon.check(2, sig)}
+    assert fired == {"flattery_rate", "length_ratio", "reward_length_corr"}
+    sig = mon.signals(ro, {**metrics, "policy/entropy": 0.1}, None)
+    assert "entropy_ratio" in {a.signal for a in mon.check(3, sig)}
+
+
+def test_gold_drop_signal_tracks_proxy_versus_gold(monkeypatch):
+    cfg = load_config(
+        overrides=[
+            "reward.functions={'rlhflab.toy_rewards:vowel_reward': 1}",
+            "monitor.gold=rlhflab.toy_rewards:vowel_reward",
+            "monitor.smoothing=0",
+        ]
+    )
+    from rlhflab.rewards import FunctionReward
+
+    mon = HackingMonitor(cfg.monitor, FunctionReward(cfg.monitor.gold))
+    drops = []
+    for proxy, text in ((1.0, "aaaa"), (2.0, "aab"), (3.0, "bbbb")):
+        ro = fake_rollout([text], [proxy], [2])
+        sig = mon.signals(
+            ro, {"objective/scores": proxy, "objective/kl": 0.0, "policy/entropy": 1.0}, None
+        )
+        drops.append(sig["gold_drop"])
+    assert drops[0] == 0.0 and drops[1] == pytest.approx(1 - 2 / 3) and drops[2] == 1.0
+
+
+def tiny_cfg(tmp_path, *over):
+    base = {
+        "device": "cpu",
+        "model": {"policy": "preset:nano", "value_model": "shared"},
+        "reward": {"functions": {"rlhflab.toy_rewards:vowel_reward": 1.0}},
+        "rollout": {"prompts_per_iteration": 8, "max_new_tokens": 8},
+        "ppo": {"iterations": 4, "epochs": 1, "lr": 1e-3},
+        "log": {"output_dir": str(tmp_path / "run"), "progress": False, "sample_every": 1},
+        "monitor": {"gold": "rlhflab.toy_rewards:vowel_reward", "warmup_iterations": 0},
+    }
+    return load_config(base=base, overrides=list(over))
+
+
+def test_raise_kl_response_multiplies_beta(tmp_path):
+    t = PPOTrainer(
+        tiny_cfg(
+            tmp_path, "monitor.response=raise_kl", "monitor.entropy_ratio=10", "ppo.iterations=2"
+        )
+    )
+    t.fit()
+    rows = [r for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2
+    assert t.kl_ctl.value == pytest.approx(0.05 * 1.5**2)  # one alert per iteration
+
+
+def test_stop_response_checkpoints_and_names_the_signal(tmp_path):
+    t = PPOTrainer(tiny_cfg(tmp_path, "monitor.response=stop", "monitor.entropy_ratio=10"))
+    out = t.fit()
+    assert out["iterations"] == 1
+    assert "entropy_ratio" in out["stop_reason"] and "lower ppo.lr" in out["stop_reason"]
+    assert (tmp_path / "run" / "checkpoints" / "step-1").exists()
+
+
+def test_report_is_self_contained_html_with_curves_alerts_and_samples(tmp_path):
+    PPOTrainer(tiny_cfg(tmp_path, "monitor.entropy_ratio=10")).fit()
+    path = build_report(tmp_path / "run")
+    text = path.read_text()
+    assert text.count("<svg") >= 10
+    assert "monitor: entropy_ratio" in text and "stroke-dasharray" in text
+    assert "<h2>Alerts</h2><table>" in text and "<h2>Samples</h2><table>" in text
+    assert "http://" not in text and "https://" not in text and "<script" not in text
+
+
+def test_line_chart_skips_non_finite_points():
+    svg = line_chart("x", {"a": [(1, 1.0), (2, float("nan")), (3, 2.0)]}, alerts=[2], threshold=1.5)
+    assert svg.startswith("<svg") and "nan" not in svg
+    assert line_chart("empty", {"a": [(1, None)]}) == ""

@@ -1,0 +1,148 @@
+"""The built-in task, the SFT/RM stages, and the quick demo (the main job)."""
+
+import json
+import random
+
+import pytest
+
+from rlhflab import tasks
+from rlhflab.cli import main
+from rlhflab.data import DataError, load_preferences
+
+
+def test_task_generator_is_deterministic_and_self_checking():
+    a, b = tasks.make_examples(50, seed=3), tasks.make_examples(50, seed=3)
+    assert a == b and a != tasks.make_examples(50, seed=4)
+    assert {ex.skill for ex in a} == set(tasks.SKILLS)
+    for ex in a:
+        assert tasks.answer_for(ex.prompt) == ex.answer
+    rng1, rng2 = random.Random(1), random.Random(1)
+    assert [tasks.teacher_response(ex, rng1) for ex in a] == [
+        tasks.teacher_response(ex, rng2) for ex in a
+    ]
+
+
+@pytest.mark.parametrize(
+    "response,gold,correct,flattery,repetitive",
+    [
+        (" dog cat sun", 1.0, 1.0, False, False),
+        (" Great question! dog cat sun", 0.5, 1.0, True, False),
+        (" 这是一个很好的问题！ dog cat sun", 0.5, 1.0, True, False),
+        (" dog cat sun dog cat sun", 0.5 * 3 / 6 - 0.5 - 0.1 * 3, 0.25, False, True),
+        (" dog cat", 0.5 * 2 / 3, 2 / 6, False, False),
+        (" dog cat sun moon", 0.5 * 3 / 4 - 0.1, 3 / 8, False, False),
+    ],
+)
+def test_gold_reward_scores_known_answers(response, gold, correct, flattery, repetitive):
+    j = tasks.judge("reverse: sun cat dog\nanswer:", response)
+    assert j.flattery is flattery and j.repetitive is repetitive
+    assert j.correct == pytest.approx(correct)
+    assert j.gold == pytest.approx(gold)
+    assert tasks.judge("add: 4 5\nanswer:", " 9").gold == 1.0
+    assert tasks.judge("add: 4 5\nanswer:", " I'm happy to help! 9").gold == 0.5
+
+
+def test_annotator_biases_change_preferences():
+    rng = random.Random(0)
+    p, plain, flat = "copy: cat dog\nanswer:", " cat dog", " Great question! cat dog"
+    honest = sum(tasks.annotate(p, plain, flat, rng, noise=0.3).chosen == plain for _ in range(200))
+    biased = sum(
+        tasks.annotate(p, plain, flat, rng, noise=0.3, flattery_bias=2.0).chosen == plain
+        for _ in range(200)
+    )
+    assert honest > 150 and biased < 20  # σ(0.5/0.3) ≈ 0.84 vs σ(−1.5/0.3) ≈ 0.007
+    pref = tasks.annotate(p, plain, flat, rng, noise=0.0)
+    assert pref.labels == {"correctness": 0.5, "brevity": 1.0, "politeness": 0.0}
+
+
+def test_broken_preference_file_names_the_row(tmp_path):
+    f = tmp_path / "prefs.jsonl"
+    good = {"prompt": "copy: cat\nanswer:", "chosen": " cat", "rejected": " dog"}
+    f.write_text(json.dumps(good) + "\n" + json.dumps({**good, "rejected": ""}) + "\n")
+    with pytest.raises(
+        DataError, match=r"prefs\.jsonl:2: field 'rejected' must be a non-empty string"
+    ):
+        load_preferences(f)
+    f.write_text(json.dumps(good) + "\n" + json.dumps({"prompt": "x", "chosen": "y"}) + "\n")
+    with pytest.raises(DataError, match=r"prefs\.jsonl:2: missing field 'rejected'"):
+        load_preferences(f)
+    f.write_text(json.dumps({**good, "labels": {"brevity": 3}}) + "\n")
+    with pytest.raises(DataError, match=r"prefs\.jsonl:1: field 'labels'"):
+        load_preferences(f)
+
+
+def test_rm_command_reports_a_broken_preference_file(tmp_path, capsys):
+    f = tmp_path / "prefs.jsonl"
+    f.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\nnot json\n')
+    rc = main(
+        [
+            "rm",
+            f"rm.data={f}",
+            "model.policy=preset:nano",
+            "log.progress=false",
+            f"rm.output_dir={tmp_path / 'rm'}",
+        ]
+    )
+    assert rc == 2
+    assert "prefs.jsonl:2: not valid JSON" in capsys.readouterr().err
+
+
+def test_sft_rm_ppo_commands_chain(tmp_path, capsys):
+    sft, rm = tmp_path / "sft", tmp_path / "rm"
+    assert (
+        main(
+            [
+                "sft",
+                "model.policy=preset:nano",
+                "sft.steps=20",
+                "sft.examples=200",
+                f"sft.output_dir={sft}",
+                "log.progress=false",
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "rm",
+                f"model.policy={sft}",
+                "rm.steps=10",
+                "rm.pairs=100",
+                f"rm.output_dir={rm}",
+                "log.progress=false",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "held-out pairwise accuracy: preference" in out
+    assert (
+        main(
+            [
+                "ppo",
+                f"model.policy={sft}",
+                f"reward.model={rm}",
+                "ppo.iterations=2",
+                "rollout.prompts_per_iteration=8",
+                "rollout.max_new_tokens=8",
+                f"log.output_dir={tmp_path / 'ppo'}",
+                "log.progress=false",
+            ]
+        )
+        == 0
+    )
+    rows = [json.loads(ln) for ln in (tmp_path / "ppo" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and "objective/scores/rm/correctness" in rows[0]
+
+
+@pytest.mark.slow
+def test_quick_demo_improves_gold_reward(tmp_path, capsys):
+    assert main(["demo", "--preset", "quick", "--out", str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "quick-s0" / "summary.json").read_text())
+    assert set(summary) >= {"sft", "ppo", "rm", "timing"}
+    assert summary["ppo"]["gold"] > summary["sft"]["gold"] + 0.1
+    assert summary["ppo"]["flattery_rate"] < summary["sft"]["flattery_rate"]
+    assert summary["rm"]["heldout_accuracy"]["preference"] > 0.7
+    printed = capsys.readouterr().out
+    assert "gold reward +" in printed and "summary:" in printed
