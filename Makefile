@@ -4,7 +4,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= dev,lora
+EXTRAS ?= dev,lora,data
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 

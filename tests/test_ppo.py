@@ -181,3 +181,32 @@ def test_cli_reports_user_errors_without_traceback(tmp_path, capsys):
     cfg.write_text("ppo: {lr: -1}\nreward: {functions: {'rlhflab.toy_rewards:cat_reward': 1}}\n")
     assert main(["ppo", "--config", str(cfg)]) == 2
     assert "error: ppo.lr: must be > 0.0" in capsys.readouterr().err
+
+
+def test_parquet_prompts_and_memory_command(tmp_path, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rlhflab import models as M
+    from rlhflab.cli import main
+    from rlhflab.presets import preset_path
+
+    tok = M.load_tokenizer(preset_path("nano"))
+    f = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"prompt": ["copy: cat\nanswer:", ""]}), f)
+    with pytest.raises(DataError, match=r"p\.parquet:2: field 'prompt' is empty"):
+        load_prompts(f, tok, 64)
+    assert load_prompts(f, tok, 64, on_bad_row="skip")[0] == ["copy: cat\nanswer:"]
+    assert (
+        main(
+            [
+                "memory",
+                "model.policy=preset:nano",
+                "model.value_model=shared",
+                "reward.functions={'rlhflab.toy_rewards:vowel_reward': 1}",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "policy" in out and "reference" in out and "measured peak" in out

@@ -37,7 +37,7 @@ class ModelCast:
     reference: object  # callable like a causal LM; frozen
     reward: CompositeReward
     device: torch.device
-    value_layout: str  # shared | separate | from_reward
+    value_layout: str  # shared | separate | from_reward | none
 
     @property
     def policy_lm(self) -> nn.Module:
@@ -46,7 +46,13 @@ class ModelCast:
 
     @property
     def shared(self) -> bool:
-        return self.critic is None
+        """Policy and value head share one backbone."""
+        return isinstance(self.policy, M.PolicyWithValueHead)
+
+    @property
+    def has_values(self) -> bool:
+        """False for critic-free trainers (GRPO, RLOO, DPO)."""
+        return self.shared or self.critic is not None
 
     def models(self) -> dict[str, object]:
         out = {"policy": self.policy, "reference": self.reference}
@@ -104,7 +110,9 @@ def build_cast(cfg: Config, device: torch.device | None = None) -> ModelCast:
             else "separate"
         )
     critic = None
-    if layout == "from_reward":
+    if layout == "none":
+        pass
+    elif layout == "from_reward":
         if not M.same_tokenizer(rm_tokenizer, tokenizer):
             raise M.ModelLoadError(
                 "model.value_model: 'from_reward' needs the reward model to "

@@ -40,6 +40,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--out", default="runs", help="folder for runs/<preset>-s<seed>/")
     demo.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides")
+    for name, text in (
+        ("grpo", "GRPO: group-normalised advantages, no critic"),
+        ("rloo", "RLOO: leave-one-out baseline, no critic"),
+    ):
+        q = sub.add_parser(name, help=text)
+        _config_args(q)
+        q.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    _config_args(sub.add_parser("dpo", help="DPO on preference pairs (policy + reference)"))
     report = sub.add_parser("report", help="write RUN_DIR/report.html (self-contained)")
     report.add_argument("run_dir", help="a PPO run directory (log.output_dir)")
     ppo = sub.add_parser("ppo", help="PPO against a reward model")
@@ -74,6 +82,30 @@ def cmd_ppo(args) -> int:
     cfg = load_config(args.config, args.overrides)
     summary = train(cfg, resume=args.resume)
     print(f"done: {summary['iterations']} iterations, output in {cfg.log.output_dir}")
+    return 0
+
+
+def cmd_grpo(args) -> int:
+    from rlhflab.config import load_config
+    from rlhflab.trainers.grpo import GRPO_BASE, train
+
+    cfg = load_config(args.config, args.overrides, base=GRPO_BASE, stage=args.command)
+    summary = train(cfg, estimator=args.command, resume=args.resume)
+    print(f"done: {summary['iterations']} iterations, output in {cfg.log.output_dir}")
+    return 0
+
+
+def cmd_dpo(args) -> int:
+    from rlhflab.config import load_config
+    from rlhflab.trainers.dpo import DPO_BASE, train
+
+    cfg = load_config(args.config, args.overrides, base=DPO_BASE, stage="dpo")
+    summary = train(cfg)
+    last = summary["last"]
+    print(
+        f"done: {summary['steps']} steps; reward accuracy {last['rewards/accuracy']:.3f}, "
+        f"margin {last['rewards/margin']:.3f}; output in {cfg.log.output_dir}"
+    )
     return 0
 
 
@@ -129,6 +161,9 @@ COMMANDS = {
     "rm": cmd_rm,
     "demo": cmd_demo,
     "report": cmd_report,
+    "grpo": cmd_grpo,
+    "rloo": cmd_grpo,
+    "dpo": cmd_dpo,
 }
 
 

@@ -29,8 +29,9 @@ class ModelConfig:
         "Critic layout. 'shared': a value head on the policy's backbone (OAI19; least memory). "
         "'separate': its own backbone from `critic` (or a copy of the policy). 'from_reward': "
         "initialised from the reward model, head included (N+, InstructGPT). 'auto' = "
-        "from_reward when a reward model is configured, else separate (ppo-details §6.4).",
-        choices=("auto", "shared", "separate", "from_reward"),
+        "from_reward when a reward model is configured, else separate (ppo-details §6.4). "
+        "'none': no critic (GRPO, RLOO and DPO set it).",
+        choices=("auto", "shared", "separate", "from_reward", "none"),
     )
     critic: str | None = setting(
         None,
@@ -332,6 +333,41 @@ class MonitorConfig:
 
 
 @dataclass
+class GRPOConfig:
+    group_size: int = setting(
+        4,
+        "Answers sampled per prompt (G); rollout.prompts_per_iteration counts answers and "
+        "must be a multiple of G.",
+        low=2,
+    )
+    normalize_std: bool = setting(
+        True,
+        "Divide by the group's std (DSM). False centres only: Dr. GRPO's fix for the "
+        "difficulty bias (pair it with ppo.loss_agg=seq-mean-token-sum-norm).",
+    )
+    eps: float = setting(1e-6, "Added to the group std (verl 1e-6).", low=0.0)
+
+
+@dataclass
+class DPOConfig:
+    data: str | None = setting(
+        None,
+        "Preference pairs (prompt, chosen, rejected). None: the built-in annotator's, "
+        "labelled with the rm.* annotator settings.",
+    )
+    pairs: int = setting(3000, "Built-in preference pairs to label.", low=1)
+    beta: float = setting(
+        0.1, "DPO β: strength of the implicit KL to the reference.", low=0.0, low_open=True
+    )
+    loss_type: str = setting("sigmoid", "'sigmoid' (DPO) or 'ipo'.", choices=("sigmoid", "ipo"))
+    label_smoothing: float = setting(0.0, "Conservative-DPO ε (sigmoid only).", low=0.0, high=0.49)
+    steps: int = setting(200, "Optimiser steps.", low=1)
+    batch_size: int = setting(32, "Pairs per step.", low=1)
+    lr: float = setting(1e-4, "Learning rate.", low=0.0, low_open=True)
+    warmup_steps: int = setting(10, "Linear warm-up steps, then constant.", low=0)
+
+
+@dataclass
 class SFTConfig:
     data: str | None = setting(
         None,
@@ -411,14 +447,26 @@ class Config:
     data: DataConfig = section(DataConfig, "Prompts.")
     log: LogConfig = section(LogConfig, "Run directory, logging and checkpoints.")
     monitor: MonitorConfig = section(MonitorConfig, "Reward-hacking monitors and alerts.")
+    grpo: GRPOConfig = section(GRPOConfig, "Group baselines (rlhflab grpo / rloo).")
+    dpo: DPOConfig = section(DPOConfig, "Direct preference optimisation (rlhflab dpo).")
     sft: SFTConfig = section(SFTConfig, "Supervised fine-tuning (rlhflab sft).")
     rm: RMConfig = section(RMConfig, "Reward-model training (rlhflab rm).")
 
 
 def validate(cfg: Config, stage: str = "ppo") -> Config:
     """Cross-field checks that single-field bounds cannot express (for the given stage)."""
-    if stage != "ppo":
+    if stage in ("sft", "rm", "dpo"):
         return cfg
+    if stage == "ppo" and cfg.model.value_model == "none":
+        raise ConfigError("model.value_model: PPO needs a critic; 'none' is for rlhflab grpo/rloo")
+    if stage in ("grpo", "rloo"):
+        if cfg.model.value_model != "none":
+            raise ConfigError(f"model.value_model: {stage} trains no critic; set it to 'none'")
+        if cfg.rollout.prompts_per_iteration % cfg.grpo.group_size:
+            raise ConfigError(
+                f"grpo.group_size: {cfg.grpo.group_size} does not divide "
+                f"rollout.prompts_per_iteration={cfg.rollout.prompts_per_iteration}"
+            )
     if cfg.rollout.prompts_per_iteration % cfg.ppo.minibatches:
         raise ConfigError(
             f"ppo.minibatches: {cfg.ppo.minibatches} does not divide "

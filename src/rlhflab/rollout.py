@@ -220,7 +220,7 @@ def score_rollout(cast, rollout: Rollout, temperature: float, micro_batch: int) 
         ref_lp = A.logprobs_from_logits(
             ref_logits[:, response_slice(P, resp.shape[1])], resp, temperature
         )
-        if values is None:
+        if values is None and cast.critic is not None:
             values = M.token_values(cast.critic, ids, am)[:, response_slice(P, resp.shape[1])]
         parts["old"].append(lp)
         parts["ref"].append(ref_lp)
@@ -228,7 +228,7 @@ def score_rollout(cast, rollout: Rollout, temperature: float, micro_batch: int) 
         parts["ent"].append(ent)
     rollout.old_logprobs = torch.cat(parts["old"])
     rollout.ref_logprobs = torch.cat(parts["ref"]).to(rollout.old_logprobs.device)
-    rollout.values = torch.cat(parts["val"])
+    rollout.values = torch.cat(parts["val"]) if cast.has_values else None
     rollout.entropy = torch.cat(parts["ent"])
     reward = cast.reward(RewardBatch(rollout.prompts, rollout.responses, seqs, mask))
     rollout.scores = reward.score.to(rollout.old_logprobs.device)

@@ -154,7 +154,7 @@ class PPOTrainer:
     def step(self) -> dict[str, float]:
         cfg, p, r = self.cfg, self.cfg.ppo, self.cfg.rollout
         cast = self.cast
-        prompts = self.stream.next_batch()
+        prompts = self.next_prompts()
 
         # 1. generate
         t0 = time.perf_counter()
@@ -187,19 +187,12 @@ class PPOTrainer:
         # 4. score normalisation (optional) and clipping
         scores = self._normalise(scores)
 
-        # 5. per-token KL shaping: r_t = −β·kl_t + score·[t = last]
+        # 5.–7. KL shaping, advantages (GAE for PPO; group baselines for GRPO/RLOO), whitening
         beta = self.kl_ctl.value
         kl = A.kl_estimate(rollout.old_logprobs, rollout.ref_logprobs, p.kl_estimator)
         kl = torch.where(mask.bool(), kl, torch.zeros_like(kl))
         in_reward = p.kl_placement == "reward"
-        rewards = A.shape_rewards(scores, kl, mask, beta if in_reward else 0.0)
-        if p.whiten_rewards:
-            rewards = A.masked_whiten(rewards, mask, shift_mean=False)
-
-        # 6. GAE (returns from unwhitened advantages) ; 7. advantage whitening
-        advantages, returns = A.compute_gae(rewards, rollout.values, mask, p.gamma, p.lam)
-        if p.whiten_advantages:
-            advantages = A.masked_whiten(advantages, mask)
+        advantages, returns, adv_stats = self.advantages(rollout, scores, kl, beta)
 
         # 8. PPO epochs (skipped entirely when the reward is not finite)
         t0 = time.perf_counter()
@@ -228,6 +221,7 @@ class PPOTrainer:
             .item(),
             "policy/entropy": A.masked_mean(rollout.entropy, mask).item(),
             **train_stats,
+            **adv_stats,
             "response/length_mean": lengths.mean().item(),
             "response/length_max": lengths.max().item(),
             "response/eos_rate": rollout.ended.float().mean().item(),
@@ -248,6 +242,22 @@ class PPOTrainer:
         self.kl_ctl.update(seq_kl.mean().item(), len(rollout))
         self._last_rollout = rollout
         return metrics
+
+    def next_prompts(self) -> list[str]:
+        return self.stream.next_batch()
+
+    def advantages(self, rollout: Rollout, scores, kl, beta):
+        """Steps 5–7 of PPO: per-token KL shaping r_t = −β·kl_t + score·[t = last], optional
+        reward whitening, GAE (returns from unwhitened advantages), advantage whitening.
+        Returns (advantages (B, T), returns (B, T), extra metrics)."""
+        p, mask = self.cfg.ppo, rollout.response_mask
+        rewards = A.shape_rewards(scores, kl, mask, beta if p.kl_placement == "reward" else 0.0)
+        if p.whiten_rewards:
+            rewards = A.masked_whiten(rewards, mask, shift_mean=False)
+        advantages, returns = A.compute_gae(rewards, rollout.values, mask, p.gamma, p.lam)
+        if p.whiten_advantages:
+            advantages = A.masked_whiten(advantages, mask)
+        return advantages, returns, {}
 
     def _watch(self, rollout: Rollout, metrics: dict) -> dict[str, float]:
         """Step 9b: reward-hacking signals, alerts, and the configured reaction."""
@@ -345,13 +355,15 @@ class PPOTrainer:
                         loss = loss + beta * A.aggregate(kl, m, p.loss_agg, **agg)
                     if p.entropy_coef > 0:
                         loss = loss - p.entropy_coef * A.aggregate(ent, m, p.loss_agg, **agg)
-                    if values is None:
-                        values = token_values(cast.critic, seqs[i], attn[i])[
-                            :, response_slice(P, ro.response_ids.shape[1])
-                        ]
-                    vf, vf_stats = A.value_loss(
-                        values, ro.values[i], returns[i], m, p.value_clip, p.loss_agg, **agg
-                    )
+                    vf, vf_stats = torch.zeros(()), {}
+                    if returns is not None:
+                        if values is None:
+                            values = token_values(cast.critic, seqs[i], attn[i])[
+                                :, response_slice(P, ro.response_ids.shape[1])
+                            ]
+                        vf, vf_stats = A.value_loss(
+                            values, ro.values[i], returns[i], m, p.value_clip, p.loss_agg, **agg
+                        )
                     total = loss + (self.cfg.model.vf_coef if cast.shared else 1.0) * vf
                     if not torch.isfinite(total):
                         finite = False
@@ -360,11 +372,12 @@ class PPOTrainer:
                     share = m.sum().item() / n_tokens.item()
                     named = {
                         "policy/loss": pg.item(),
-                        "val/loss": vf.item(),
                         **{f"policy/{k}": v.item() for k, v in pg_stats.items()},
-                        "val/clipfrac": vf_stats["vf_clipfrac"].item(),
-                        "val/explained_variance": vf_stats["explained_variance"].item(),
                     }
+                    if vf_stats:
+                        named["val/loss"] = vf.item()
+                        named["val/clipfrac"] = vf_stats["vf_clipfrac"].item()
+                        named["val/explained_variance"] = vf_stats["explained_variance"].item()
                     for k, v in named.items():  # losses already carry global denominators
                         mb_stats[k] = mb_stats.get(k, 0.0) + (
                             v if k.endswith("loss") else v * share
