@@ -98,17 +98,24 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
 
 
 def masked_whiten(
-    x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    shift_mean: bool = True,
+    eps: float = 1e-8,
+    moments: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """(x − μ) / sqrt(var + eps) over the selected elements; 0 at unselected positions.
 
     μ and var are the masked mean and (unbiased) variance over *all* selected elements.
     ``shift_mean=False`` adds μ back (scale only), as OAI19 does for reward whitening.
-    Source: OAI19 ``whiten``; N+ §"advantage whitening".
+    ``moments=(μ, var)`` supplies statistics computed elsewhere (over every data-parallel
+    rank, say). Source: OAI19 ``whiten``; N+ §"advantage whitening".
     """
     m = _bool(mask)
-    mean = masked_mean(x, m)
-    var = masked_var(x, m, unbiased=True)
+    if moments is None:
+        mean, var = masked_mean(x, m), masked_var(x, m, unbiased=True)
+    else:
+        mean, var = moments
     whitened = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         whitened = whitened + mean

@@ -39,6 +39,10 @@ class ModelCast:
     device: torch.device
     value_layout: str  # shared | separate | from_reward | none
 
+    def __post_init__(self):
+        # the critic's values come through a forward() so DDP/FSDP can wrap the call
+        self.critic_values = M.CriticValues(self.critic) if self.critic is not None else None
+
     @property
     def policy_lm(self) -> nn.Module:
         """The causal LM inside the policy (for generation and saving)."""

@@ -23,24 +23,51 @@ from rlhflab.models import PolicyWithValueHead
 _STEP = re.compile(r"^step-(\d+)$")
 
 
-def _save_lm(lm, folder: Path, tokenizer) -> None:
-    lm.save_pretrained(folder, safe_serialization=True)
+def _save_lm(lm, folder: Path, tokenizer, state_dict: dict | None = None) -> None:
+    kwargs = {} if state_dict is None else {"state_dict": state_dict}
+    lm.save_pretrained(folder, safe_serialization=True, **kwargs)
     tokenizer.save_pretrained(folder)
 
 
-def save_checkpoint(run_dir: Path, step: int, cast, state: dict, keep_last: int) -> Path:
+def _strip(state: dict, prefix: str) -> dict:
+    return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+
+
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    cast,
+    state: dict,
+    keep_last: int,
+    policy_state: dict | None = None,
+    critic_state: dict | None = None,
+) -> Path:
+    """Write ``checkpoints/step-N`` atomically. ``policy_state``/``critic_state`` are full
+    (gathered) weights of a sharded policy / CriticValues module; None: read the modules."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step}"
     tmp = root / f"step-{step}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    _save_lm(cast.policy_lm, tmp / "policy", cast.tokenizer)
-    if isinstance(cast.policy, PolicyWithValueHead):
-        head = {k: v.detach().contiguous() for k, v in cast.policy.value_head.state_dict().items()}
-        save_file(head, str(tmp / "value_head.safetensors"))
+    shared = isinstance(cast.policy, PolicyWithValueHead)
+    lm_state = (
+        _strip(policy_state, "lm.") if (policy_state is not None and shared) else policy_state
+    )
+    _save_lm(cast.policy_lm, tmp / "policy", cast.tokenizer, lm_state)
+    if shared:
+        head = (
+            _strip(policy_state, "value_head.")
+            if policy_state is not None
+            else cast.policy.value_head.state_dict()
+        )
+        save_file(
+            {k: v.detach().contiguous() for k, v in head.items()},
+            str(tmp / "value_head.safetensors"),
+        )
     if cast.critic is not None:
-        _save_lm(cast.critic, tmp / "critic", cast.tokenizer)
+        critic = _strip(critic_state, "model.") if critic_state is not None else None
+        _save_lm(cast.critic, tmp / "critic", cast.tokenizer, critic)
     torch.save(state, tmp / "state.pt")
     if final.exists():
         shutil.rmtree(final)
@@ -59,13 +86,19 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def _load_into(model, folder: Path) -> None:
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
+def read_weights(folder: Path, name: str | None = None) -> dict:
+    """All safetensors tensors of a folder (or one named file in it)."""
+    files = [folder / name] if name else sorted(folder.glob("*.safetensors"))
+    if not files or not all(f.exists() for f in files):
         raise FileNotFoundError(f"{folder}: no safetensors weights")
     weights = {}
     for f in files:
         weights.update(load_file(str(f)))
+    return weights
+
+
+def _load_into(model, folder: Path) -> None:
+    weights = read_weights(folder)
     if hasattr(model, "peft_config"):
         from peft import set_peft_model_state_dict
 

@@ -48,6 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
         _config_args(q)
         q.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     _config_args(sub.add_parser("dpo", help="DPO on preference pairs (policy + reference)"))
+    cmp_ = sub.add_parser("compare", help="PPO, GRPO, RLOO and DPO side by side on the task")
+    cmp_.add_argument("--preset", default="quick", choices=sorted(PRESETS))
+    cmp_.add_argument("--seed", type=int, default=0)
+    cmp_.add_argument("--out", default="runs", help="folder for runs/compare-<preset>-s<seed>/")
+    cmp_.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides")
     report = sub.add_parser("report", help="write RUN_DIR/report.html (self-contained)")
     report.add_argument("run_dir", help="a PPO run directory (log.output_dir)")
     ppo = sub.add_parser("ppo", help="PPO against a reward model")
@@ -141,6 +146,15 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_compare(args) -> int:
+    from rlhflab.compare import format_table, run_compare
+
+    table = run_compare(args.preset, args.seed, args.out, args.overrides)
+    print(format_table(table))
+    print(f"written to {table['run_dir']}/compare.json and compare.md")
+    return 0
+
+
 def cmd_report(args) -> int:
     from rlhflab.report import build_report
 
@@ -164,6 +178,7 @@ COMMANDS = {
     "grpo": cmd_grpo,
     "rloo": cmd_grpo,
     "dpo": cmd_dpo,
+    "compare": cmd_compare,
 }
 
 

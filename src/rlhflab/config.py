@@ -315,14 +315,21 @@ class MonitorConfig:
         "Flattery phrases counted by the flattery_rate signal.",
     )
     ngram: int = setting(3, "n of the repeated-n-gram and distinct-n signals (tokens).", low=1)
-    warmup_iterations: int = setting(2, "No alert in the first N iterations.", low=0)
-    smoothing: float = setting(0.7, "EMA factor for the gold/proxy trend.", low=0.0, high=0.99)
+    warmup_iterations: int = setting(
+        1, "No alert in the first N iterations (the first rollout is the reference's own).", low=0
+    )
+    smoothing: float = setting(
+        0.8,
+        "EMA factor for the gold/proxy trend (batch means of 64 answers move ±0.1).",
+        low=0.0,
+        high=0.99,
+    )
     length_ratio: float | None = setting(1.5, "Alert above this length ratio to the reference.")
     flattery_rate: float | None = setting(0.5, "Alert above this share of flattering answers.")
     repeated_ngram_rate: float | None = setting(0.3, "Alert above this repeated n-gram share.")
     reward_length_corr: float | None = setting(0.8, "Alert above this score–length correlation.")
     gold_drop: float | None = setting(
-        0.1,
+        0.2,
         "Alert when the smoothed gold reward is this far below its best while the proxy "
         "rises (gold-reward units).",
     )
@@ -330,6 +337,27 @@ class MonitorConfig:
         None, "Alert above this KL (nats per answer). None: 2 × ppo.kl_target when set, else off."
     )
     entropy_ratio: float | None = setting(0.2, "Alert below this share of the initial entropy.")
+
+
+@dataclass
+class DistConfig:
+    strategy: str = setting(
+        "ddp",
+        "Under torchrun: 'ddp' replicates the trained models and all-reduces gradients; "
+        "'fsdp' shards them with FSDP2 (fully_shard), per decoder layer.",
+        choices=("ddp", "fsdp"),
+    )
+    shard_reference: bool = setting(
+        False,
+        "With fsdp: shard the frozen reference too (else replicated on every rank). The "
+        "reward model is always replicated.",
+    )
+    mixed_precision: str = setting(
+        "none",
+        "With fsdp: parameter dtype in forward/backward ('bf16', 'fp16'); gradients are "
+        "reduced in fp32. 'none': the stored dtype.",
+        choices=("none", "bf16", "fp16"),
+    )
 
 
 @dataclass
@@ -447,6 +475,7 @@ class Config:
     data: DataConfig = section(DataConfig, "Prompts.")
     log: LogConfig = section(LogConfig, "Run directory, logging and checkpoints.")
     monitor: MonitorConfig = section(MonitorConfig, "Reward-hacking monitors and alerts.")
+    dist: DistConfig = section(DistConfig, "Data parallelism under torchrun.")
     grpo: GRPOConfig = section(GRPOConfig, "Group baselines (rlhflab grpo / rloo).")
     dpo: DPOConfig = section(DPOConfig, "Direct preference optimisation (rlhflab dpo).")
     sft: SFTConfig = section(SFTConfig, "Supervised fine-tuning (rlhflab sft).")

@@ -65,6 +65,7 @@ PRESETS: dict[str, dict] = {
             "rm.flattery_bias": 1.5,
             "reward.heads": {"preference": 1.0, "politeness": 1.0},
             "ppo.kl_coef": 0.001,
+            "ppo.lr": 2e-5,  # slower than the other presets, so the slide is visible
         },
     },
 }

@@ -224,8 +224,21 @@ class PolicyWithValueHead(nn.Module):
     def forward(self, input_ids, attention_mask):
         hidden = backbone_hidden(self.lm, input_ids, attention_mask)
         logits = self.lm.get_output_embeddings()(hidden)
-        values = self.value_head(hidden).squeeze(-1)
+        values = self.value_head(hidden).squeeze(-1).clone()  # not a view (FSDP2 hooks)
         return logits, values
+
+
+class CriticValues(nn.Module):
+    """A sequence-classification critic as a module whose forward gives per-token values,
+    so DDP/FSDP see the training call go through ``forward``."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask):
+        # a fresh tensor, not a view: FSDP2 hooks its backward onto the output
+        return token_values(self.model, input_ids, attention_mask).clone()
 
 
 def token_values(critic, input_ids, attention_mask) -> torch.Tensor:

@@ -97,13 +97,17 @@ def build_report(run_dir: str | Path) -> Path:
     run = Path(run_dir)
     metrics_path = run / "metrics.jsonl"
     if not metrics_path.exists():
-        raise FileNotFoundError(f"{run}: no metrics.jsonl — is this a PPO run directory?")
+        raise FileNotFoundError(f"{run}: no metrics.jsonl — is this a run directory?")
     rows = read_jsonl(metrics_path)
+    if not rows:
+        raise FileNotFoundError(f"{run}: metrics.jsonl is empty")
     alerts = read_jsonl(run / "alerts.jsonl") if (run / "alerts.jsonl").exists() else []
     samples = read_jsonl(run / "samples.jsonl") if (run / "samples.jsonl").exists() else []
     config = (run / "config.yaml").read_text() if (run / "config.yaml").exists() else ""
     summary_path = run.parent / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
+    compare_path = run.parent / "compare.json"
+    compare = json.loads(compare_path.read_text()) if compare_path.exists() else None
 
     charts = [
         line_chart(
@@ -141,6 +145,22 @@ def build_report(run_dir: str | Path) -> Path:
     ]
     if summary:
         body.append(_summary_table(summary))
+    if compare:
+        from rlhflab.compare import COLUMNS
+
+        body.append(
+            "<h2>Methods compared</h2>"
+            + _table(
+                ["method", *COLUMNS],
+                [
+                    [
+                        r["method"],
+                        *(f"{r[c]:.3f}" if isinstance(r[c], float) else r[c] for c in COLUMNS),
+                    ]
+                    for r in compare["rows"]
+                ],
+            )
+        )
     body.append("<h2>Curves</h2><div class='g'>" + "".join(c for c in charts if c) + "</div>")
     body.append(
         "<h2>Alerts</h2>"

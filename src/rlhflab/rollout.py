@@ -103,6 +103,7 @@ def sample(
     top_k: int = 0,
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
+    all_done=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample answers with a KV cache. Returns (response_ids, response_mask, ended).
 
@@ -133,7 +134,10 @@ def sample(
         nxt = torch.where(finished, torch.full_like(nxt, pad_id), nxt)
         tokens.append(nxt)
         finished = finished | (nxt == eos_id)
-        if bool(finished.all()) or step == max_new_tokens - 1:
+        done = bool(finished.all())
+        if all_done is not None:  # data parallel with sharded weights: stop together
+            done = all_done(done)
+        if done or step == max_new_tokens - 1:
             break
         mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=device)], dim=1)
         out = model(
@@ -163,6 +167,7 @@ def generate_rollout(
     top_p: float,
     generator,
     device,
+    all_done=None,
 ) -> Rollout:
     encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
     prompt_ids, prompt_mask = left_pad(encoded, tokenizer.pad_token_id)
@@ -178,6 +183,7 @@ def generate_rollout(
         top_k,
         top_p,
         generator,
+        all_done,
     )
     texts = tokenizer.batch_decode(resp, skip_special_tokens=True)
     return Rollout(prompt_ids, prompt_mask, resp, resp_mask, ended, list(prompts), texts)
@@ -188,10 +194,24 @@ def response_slice(prompt_len: int, response_len: int) -> slice:
     return slice(prompt_len - 1, prompt_len + response_len - 1)
 
 
-def policy_outputs(policy, seqs, mask, prompt_len, response_ids, temperature, with_entropy=False):
-    """Log-probs (B, T), values (B, T) or None, entropy (B, T) or None from one forward."""
+def policy_outputs(
+    policy,
+    seqs,
+    mask,
+    prompt_len,
+    response_ids,
+    temperature,
+    with_entropy=False,
+    shared: bool | None = None,
+):
+    """Log-probs (B, T), values (B, T) or None, entropy (B, T) or None from one forward.
+
+    ``shared`` says the policy returns (logits, values); by default it is read off the
+    module, which a DDP wrapper hides."""
     cols = response_slice(prompt_len, response_ids.shape[1])
-    if isinstance(policy, M.PolicyWithValueHead):
+    if shared is None:
+        shared = isinstance(policy, M.PolicyWithValueHead)
+    if shared:
         logits, values = policy(seqs, mask)
         values = values[:, cols].float()
     else:
@@ -220,8 +240,8 @@ def score_rollout(cast, rollout: Rollout, temperature: float, micro_batch: int) 
         ref_lp = A.logprobs_from_logits(
             ref_logits[:, response_slice(P, resp.shape[1])], resp, temperature
         )
-        if values is None and cast.critic is not None:
-            values = M.token_values(cast.critic, ids, am)[:, response_slice(P, resp.shape[1])]
+        if values is None and cast.critic_values is not None:
+            values = cast.critic_values(ids, am)[:, response_slice(P, resp.shape[1])]
         parts["old"].append(lp)
         parts["ref"].append(ref_lp)
         parts["val"].append(values)

@@ -17,15 +17,18 @@ import time
 from pathlib import Path
 
 import torch
-import yaml
 
 from rlhflab import algorithms as A
-from rlhflab import checkpoint as C
 from rlhflab.cast import ModelCast, build_cast
-from rlhflab.config import Config
-from rlhflab.configbase import to_dict
+from rlhflab.config import Config, ConfigError
+from rlhflab.distributed import (
+    accumulate,
+    global_moments,
+    init_distributed,
+    shard,
+    wrap_trained,
+)
 from rlhflab.memory import peak_rss_bytes
-from rlhflab.models import token_values
 from rlhflab.monitor import HackingMonitor
 from rlhflab.rewards import FunctionReward, RunningMoments
 from rlhflab.rollout import (
@@ -35,14 +38,13 @@ from rlhflab.rollout import (
     response_slice,
     score_rollout,
 )
-from rlhflab.runlog import RunLog
 from rlhflab.trainers.common import (
     TrainingHalted,
     build_optimizer,
     build_scheduler,
     load_prompt_set,
-    progress,
 )
+from rlhflab.trainers.runstate import CheckpointedRun
 
 log = logging.getLogger(__name__)
 
@@ -77,17 +79,19 @@ METRICS = {
 }
 
 
-class PPOTrainer:
+class PPOTrainer(CheckpointedRun):
     def __init__(self, cfg: Config, cast: ModelCast | None = None):
         self.cfg = cfg
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        self.cast = cast or build_cast(cfg)
+        self.ctx = init_distributed(cfg.device)
+        self.cast = cast or build_cast(cfg, self.ctx.device if self.ctx.enabled else None)
         self.device = self.cast.device
         p = cfg.ppo
         self.stream = load_prompt_set(cfg, self.cast.tokenizer)
+        self._setup_parallel()
         total_steps = p.iterations * p.epochs * p.minibatches
         groups = [
             {
@@ -119,7 +123,10 @@ class PPOTrainer:
             else A.FixedKLController(p.kl_coef)
         )
         self.gens = {
-            "sample": torch.Generator(device=self.device).manual_seed(cfg.seed),
+            # data order is shared by every rank; sampling differs per rank (seed + offset)
+            "sample": torch.Generator(device=self.device).manual_seed(
+                cfg.seed + 1000 * self.ctx.rank
+            ),
             "shuffle": torch.Generator().manual_seed(cfg.seed + 1),
             # the monitor's reference samples draw from their own stream, so switching the
             # monitor on or off never changes what the policy samples
@@ -138,6 +145,40 @@ class PPOTrainer:
         self.stop_reason: str | None = None
         self._check_batch()
 
+    def _setup_parallel(self) -> None:
+        """Wrap (DDP) or shard (FSDP2) the trained models before their optimisers exist."""
+        cfg, ctx, cast = self.cfg, self.ctx, self.cast
+        strategy = cfg.dist.strategy
+        if ctx.enabled and cfg.rollout.prompts_per_iteration % ctx.world:
+            raise ConfigError(
+                f"rollout.prompts_per_iteration: {cfg.rollout.prompts_per_iteration}"
+                f" answers do not split over {ctx.world} ranks"
+            )
+        if ctx.enabled and strategy == "fsdp" and cfg.model.lora_r:
+            raise ConfigError("dist.strategy: LoRA with fsdp is not supported; use ddp")
+        self.fsdp = ctx.enabled and strategy == "fsdp"
+        self.train_policy = wrap_trained(cast.policy, ctx, strategy, cfg.dist.mixed_precision)
+        self.train_critic = None
+        if cast.critic_values is not None:
+            self.train_critic = wrap_trained(
+                cast.critic_values, ctx, strategy, cfg.dist.mixed_precision
+            )
+        if self.fsdp and cfg.dist.shard_reference and isinstance(cast.reference, torch.nn.Module):
+            shard(cast.reference)
+        # under FSDP every rank must run the same number of forward passes while sampling
+        self.all_done = ctx.all_true if self.fsdp else None
+
+    def _local_share(self, prompts: list[str]) -> list[str]:
+        """This rank's contiguous slice of the global batch (whole groups for GRPO/RLOO)."""
+        if not self.ctx.enabled:
+            return prompts
+        b = len(prompts) // self.ctx.world
+        return prompts[self.ctx.rank * b : (self.ctx.rank + 1) * b]
+
+    def _moments(self, x: torch.Tensor, mask: torch.Tensor):
+        """Whitening statistics over every rank's data (None: local, single process)."""
+        return global_moments(x, mask, self.ctx) if self.ctx.enabled else None
+
     def _check_batch(self) -> None:
         r = self.cfg.rollout
         if (
@@ -154,7 +195,7 @@ class PPOTrainer:
     def step(self) -> dict[str, float]:
         cfg, p, r = self.cfg, self.cfg.ppo, self.cfg.rollout
         cast = self.cast
-        prompts = self.next_prompts()
+        prompts = self._local_share(self.next_prompts())
 
         # 1. generate
         t0 = time.perf_counter()
@@ -169,6 +210,7 @@ class PPOTrainer:
             r.top_p,
             self.gens["sample"],
             self.device,
+            all_done=self.all_done,
         )
         t_gen = time.perf_counter() - t0
 
@@ -196,7 +238,7 @@ class PPOTrainer:
 
         # 8. PPO epochs (skipped entirely when the reward is not finite)
         t0 = time.perf_counter()
-        if torch.isfinite(raw_scores).all():
+        if self.ctx.all_true(bool(torch.isfinite(raw_scores).all())):
             train_stats = self._ppo_epochs(rollout, advantages, returns, beta)
         else:
             train_stats = {}
@@ -233,13 +275,14 @@ class PPOTrainer:
             "faults/skipped_updates": self.skipped_total,
             "lr/policy": self.opt.param_groups[0]["lr"],
         }
+        metrics = self.ctx.mean_metrics(metrics)  # every rank logs and decides on global means
         if self.monitor is not None:
             metrics.update(self._watch(rollout, metrics))
         for cb in self.callbacks:
             cb(self, rollout, metrics)
 
-        # 10. KL controller, on this rollout's per-answer KL (the controller's unit)
-        self.kl_ctl.update(seq_kl.mean().item(), len(rollout))
+        # 10. KL controller, on the global per-answer KL (the controller's unit)
+        self.kl_ctl.update(metrics["objective/kl"], len(rollout) * self.ctx.world)
         self._last_rollout = rollout
         return metrics
 
@@ -253,10 +296,12 @@ class PPOTrainer:
         p, mask = self.cfg.ppo, rollout.response_mask
         rewards = A.shape_rewards(scores, kl, mask, beta if p.kl_placement == "reward" else 0.0)
         if p.whiten_rewards:
-            rewards = A.masked_whiten(rewards, mask, shift_mean=False)
+            rewards = A.masked_whiten(
+                rewards, mask, shift_mean=False, moments=self._moments(rewards, mask)
+            )
         advantages, returns = A.compute_gae(rewards, rollout.values, mask, p.gamma, p.lam)
         if p.whiten_advantages:
-            advantages = A.masked_whiten(advantages, mask)
+            advantages = A.masked_whiten(advantages, mask, moments=self._moments(advantages, mask))
         return advantages, returns, {}
 
     def _watch(self, rollout: Rollout, metrics: dict) -> dict[str, float]:
@@ -275,9 +320,10 @@ class PPOTrainer:
                 r.top_p,
                 self.gens["monitor"],
                 self.device,
+                all_done=self.all_done,
             )
             ref_lengths = ref.response_mask.sum(1)
-        signals = self.monitor.signals(rollout, metrics, ref_lengths)
+        signals = self.ctx.mean_metrics(self.monitor.signals(rollout, metrics, ref_lengths))
         alerts = self.monitor.check(it, signals)
         for alert in alerts:
             log.warning("%s", alert.message())
@@ -291,7 +337,8 @@ class PPOTrainer:
     def _normalise(self, scores: torch.Tensor) -> torch.Tensor:
         mode, clip = self.cfg.reward.normalize, self.cfg.reward.clip
         if mode == "batch":
-            scores = A.masked_whiten(scores, torch.ones_like(scores, dtype=torch.bool))
+            every = torch.ones_like(scores, dtype=torch.bool)
+            scores = A.masked_whiten(scores, every, moments=self._moments(scores, every))
         elif mode == "running":
             self.moments.update(scores[torch.isfinite(scores)])
             scores = scores / self.moments.std
@@ -323,52 +370,26 @@ class PPOTrainer:
             for start in range(0, B, mb_size):
                 idx = order[start : start + mb_size]
                 n_tokens = ro.response_mask[idx].sum().clamp(min=1)
-                agg = {"num_tokens": n_tokens, "num_seqs": mb_size}
+                # Global token count: DDP/FSDP average gradients over ranks, so dividing each
+                # rank's token sum by (global tokens / world) gives the global token mean.
+                global_tokens = self.ctx.all_sum(n_tokens.double().reshape(1))[0]
+                agg = {"num_tokens": global_tokens / self.ctx.world, "num_seqs": mb_size}
+                n_micro = (mb_size + micro - 1) // micro
                 mb_stats: dict[str, float] = {}
                 finite = True
-                for ms in range(0, mb_size, micro):
+                for k_micro, ms in enumerate(range(0, mb_size, micro)):
                     i = idx[ms : ms + micro]
                     m = ro.response_mask[i]
-                    lp, values, ent = policy_outputs(
-                        cast.policy,
-                        seqs[i],
-                        attn[i],
-                        P,
-                        ro.response_ids[i],
-                        self.cfg.rollout.temperature,
-                        with_entropy=p.entropy_coef > 0,
-                    )
-                    pg, pg_stats = A.policy_loss(
-                        lp,
-                        ro.old_logprobs[i],
-                        advantages[i],
-                        m,
-                        p.clip_low,
-                        p.clip_high,
-                        p.dual_clip,
-                        p.loss_agg,
-                        **agg,
-                    )
-                    loss = pg
-                    if p.kl_placement == "loss":
-                        kl = A.kl_estimate(lp, ro.ref_logprobs[i], p.kl_estimator)
-                        loss = loss + beta * A.aggregate(kl, m, p.loss_agg, **agg)
-                    if p.entropy_coef > 0:
-                        loss = loss - p.entropy_coef * A.aggregate(ent, m, p.loss_agg, **agg)
-                    vf, vf_stats = torch.zeros(()), {}
-                    if returns is not None:
-                        if values is None:
-                            values = token_values(cast.critic, seqs[i], attn[i])[
-                                :, response_slice(P, ro.response_ids.shape[1])
-                            ]
-                        vf, vf_stats = A.value_loss(
-                            values, ro.values[i], returns[i], m, p.value_clip, p.loss_agg, **agg
+                    sync = k_micro == n_micro - 1
+                    trained = [t for t in (self.train_policy, self.train_critic) if t is not None]
+                    with accumulate(trained, sync):
+                        total, pg, pg_stats, vf, vf_stats = self._micro_loss(
+                            ro, i, m, advantages, returns, beta, agg, seqs, attn, P
                         )
-                    total = loss + (self.cfg.model.vf_coef if cast.shared else 1.0) * vf
-                    if not torch.isfinite(total):
-                        finite = False
-                        break
-                    total.backward()
+                        if not self.ctx.all_true(bool(torch.isfinite(total))):
+                            finite = False
+                            break
+                        total.backward()
                     share = m.sum().item() / n_tokens.item()
                     named = {
                         "policy/loss": pg.item(),
@@ -394,6 +415,48 @@ class PPOTrainer:
             out.pop("policy/dual_clipfrac", None)
         return out
 
+    def _micro_loss(self, ro, i, m, advantages, returns, beta, agg, seqs, attn, P):
+        """Policy loss (+ KL-in-loss, − entropy bonus) and value loss of one micro-batch."""
+        p, cast = self.cfg.ppo, self.cast
+        lp, values, ent = policy_outputs(
+            self.train_policy,
+            seqs[i],
+            attn[i],
+            P,
+            ro.response_ids[i],
+            self.cfg.rollout.temperature,
+            with_entropy=p.entropy_coef > 0,
+            shared=cast.shared,
+        )
+        pg, pg_stats = A.policy_loss(
+            lp,
+            ro.old_logprobs[i],
+            advantages[i],
+            m,
+            p.clip_low,
+            p.clip_high,
+            p.dual_clip,
+            p.loss_agg,
+            **agg,
+        )
+        loss = pg
+        if p.kl_placement == "loss":
+            kl = A.kl_estimate(lp, ro.ref_logprobs[i], p.kl_estimator)
+            loss = loss + beta * A.aggregate(kl, m, p.loss_agg, **agg)
+        if p.entropy_coef > 0:
+            loss = loss - p.entropy_coef * A.aggregate(ent, m, p.loss_agg, **agg)
+        vf, vf_stats = torch.zeros((), device=lp.device), {}
+        if returns is not None:
+            if values is None:
+                values = self.train_critic(seqs[i], attn[i])[
+                    :, response_slice(P, ro.response_ids.shape[1])
+                ]
+            vf, vf_stats = A.value_loss(
+                values, ro.values[i], returns[i], m, p.value_clip, p.loss_agg, **agg
+            )
+        total = loss + (self.cfg.model.vf_coef if cast.shared else 1.0) * vf
+        return total, pg, pg_stats, vf, vf_stats
+
     def _trainable(self):
         params = [q for q in self.cast.policy.parameters() if q.requires_grad]
         if self.cast.critic is not None:
@@ -409,6 +472,8 @@ class PPOTrainer:
             norm = torch.nn.utils.clip_grad_norm_(
                 params, p.max_grad_norm if p.max_grad_norm is not None else math.inf
             )
+            if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor holding the global norm
+                norm = norm.full_tensor()
             if not torch.isfinite(norm):
                 cause = "gradient"
         if cause is not None:
@@ -441,110 +506,6 @@ class PPOTrainer:
             )
 
     # ------------------------------------------------------------------ state, checkpoints, fit
-
-    def state_dict(self) -> dict:
-        return {
-            "iteration": self.iteration,
-            "optim": self.opt.state_dict(),
-            "sched": self.sched.state_dict(),
-            "kl": self.kl_ctl.state_dict(),
-            "critic_optim": self.critic_opt.state_dict() if self.critic_opt else {},
-            "critic_sched": self.critic_sched.state_dict() if self.critic_sched else {},
-            "rng": C.rng_state(self.gens),
-            "data": self.stream.state_dict(),
-            "moments": self.moments.state_dict(),
-            "monitor": self.monitor.state.state_dict() if self.monitor else {},
-            "faults": {"skipped_total": self.skipped_total, "consecutive": self.consecutive_bad},
-        }
-
-    def load_state_dict(self, s: dict) -> None:
-        self.iteration = int(s["iteration"])
-        self.opt.load_state_dict(s["optim"])
-        self.sched.load_state_dict(s["sched"])
-        if self.critic_opt:
-            self.critic_opt.load_state_dict(s["critic_optim"])
-            self.critic_sched.load_state_dict(s["critic_sched"])
-        self.kl_ctl.load_state_dict(s["kl"])
-        C.restore_rng(s["rng"], self.gens)
-        self.stream.load_state_dict(s["data"])
-        self.moments.load_state_dict(s["moments"])
-        if self.monitor is not None and s.get("monitor"):
-            self.monitor.state.load_state_dict(s["monitor"])
-        self.skipped_total = int(s["faults"]["skipped_total"])
-        self.consecutive_bad = int(s["faults"]["consecutive"])
-
-    def save(self, iteration: int) -> Path:
-        return C.save_checkpoint(
-            self.run_dir, iteration, self.cast, self.state_dict(), self.cfg.log.keep_last
-        )
-
-    def fit(self, resume: bool = False) -> dict:
-        cfg = self.cfg
-        resume_step = None
-        if resume:
-            ckpts = C.list_checkpoints(self.run_dir)
-            if ckpts:
-                self.load_state_dict(C.load_checkpoint(ckpts[-1], self.cast))
-                resume_step = self.iteration
-                log.info("resumed from %s", ckpts[-1])
-            else:
-                log.info("--resume: no checkpoint in %s; starting fresh", self.run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-        runlog = RunLog(self.run_dir, cfg.log.tensorboard, cfg.log.wandb, to_dict(cfg), resume_step)
-        bar = progress(
-            range(self.iteration, cfg.ppo.iterations),
-            cfg.log.progress,
-            "PPO",
-            initial=self.iteration,
-            total=cfg.ppo.iterations,
-        )
-        metrics: dict = {}
-        try:
-            for _ in bar:
-                metrics = self.step()
-                self.iteration += 1
-                runlog.metrics(self.iteration, metrics)
-                if self.monitor is not None:
-                    new = [a for a in self.monitor.state.alerts if a.iteration == self.iteration]
-                    runlog.alerts([vars(a) | {"message": a.message()} for a in new])
-                if cfg.log.samples_per_log and self.iteration % cfg.log.sample_every == 0:
-                    runlog.samples(self.iteration, self.sample_rows(cfg.log.samples_per_log))
-                if hasattr(bar, "set_postfix"):
-                    bar.set_postfix(
-                        reward=f"{metrics['objective/scores']:.3f}",
-                        kl=f"{metrics['objective/kl']:.3f}",
-                        beta=f"{metrics['objective/kl_coef']:.3g}",
-                    )
-                # 11. checkpoint
-                if (
-                    self.iteration % cfg.log.checkpoint_every == 0
-                    or self.iteration == cfg.ppo.iterations
-                ):
-                    self.save(self.iteration)
-                if self.stop_reason:
-                    self.save(self.iteration)
-                    log.warning("stopped: %s", self.stop_reason)
-                    break
-        finally:
-            runlog.close()
-        return {"iterations": self.iteration, "last": metrics, "stop_reason": self.stop_reason}
-
-    def sample_rows(self, n: int) -> list[dict]:
-        ro = self._last_rollout
-        rows = []
-        for i in range(min(n, len(ro))):
-            m = ro.response_mask[i].bool()
-            rows.append(
-                {
-                    "prompt": ro.prompts[i],
-                    "response": ro.responses[i],
-                    "score": ro.scores[i].item(),
-                    "components": {k: v[i].item() for k, v in ro.components.items()},
-                    "kl": (ro.old_logprobs[i] - ro.ref_logprobs[i])[m].sum().item(),
-                }
-            )
-        return rows
 
 
 def train(cfg: Config, resume: bool = False) -> dict:

@@ -1,0 +1,200 @@
+"""Data parallelism on PyTorch's own engine: ``torchrun`` + DDP or FSDP2 (``fully_shard``).
+
+    torchrun --nproc-per-node 2 -m rlhflab ppo --config FILE dist.strategy=fsdp
+
+Each rank generates and scores its share of the rollout batch. Statistics that define the
+update are global: whitening moments, the token count that normalises the loss, and the KL
+the controller sees are all-reduced. Data order is shared; sampling seeds differ per rank.
+Only rank 0 writes logs, samples and reports. The backend follows the device: gloo on CPU,
+nccl on GPU. Nothing here runs when the process is not started by torchrun (world size 1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass
+class DistContext:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def enabled(self) -> bool:
+        return self.world > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def all_sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.enabled:
+            t = t.clone()
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
+
+    def all_true(self, flag: bool) -> bool:
+        """True only when the flag is true on every rank (a collective decision)."""
+        if not self.enabled:
+            return flag
+        t = torch.tensor([0.0 if flag else 1.0], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t.item() == 0.0
+
+    def mean_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Average every numeric metric over ranks (keys are the same on every rank)."""
+        if not self.enabled:
+            return metrics
+        keys = sorted(k for k, v in metrics.items() if isinstance(v, (int, float)))
+        vals = torch.tensor(
+            [float(metrics[k]) for k in keys], dtype=torch.float64, device=self.device
+        )
+        vals = self.all_sum(vals) / self.world
+        return {**metrics, **dict(zip(keys, vals.tolist()))}
+
+    def barrier(self) -> None:
+        if self.enabled:
+            dist.barrier()
+
+
+def init_distributed(device_name: str = "auto") -> DistContext:
+    """Join the process group torchrun set up (gloo on CPU, nccl on GPU); else world size 1."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = device_name == "cuda" or (device_name == "auto" and torch.cuda.is_available())
+    device = torch.device(f"cuda:{local}") if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+    return DistContext(rank, world, local, device)
+
+
+def global_moments(x: torch.Tensor, mask: torch.Tensor, ctx: DistContext):
+    """Masked mean and unbiased variance of ``x`` over every rank's selected elements."""
+    m = mask.bool()
+    zero = torch.zeros((), dtype=torch.float64, device=x.device)
+    xs = torch.where(m, x.double(), zero)
+    n = ctx.all_sum(m.sum().double().reshape(1))[0]
+    mean = ctx.all_sum(xs.sum().reshape(1))[0] / n.clamp(min=1)
+    sq = ctx.all_sum(torch.where(m, (x.double() - mean) ** 2, zero).sum().reshape(1))[0]
+    var = torch.where(n > 1, sq / (n - 1).clamp(min=1), zero)
+    return mean.to(x.dtype), var.to(x.dtype)
+
+
+def decoder_layers(module: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of an HF model (``base_model.layers``), seen through rlhflab's
+    PolicyWithValueHead / CriticValues wrappers."""
+    from rlhflab.models import CriticValues, PolicyWithValueHead
+
+    core = module
+    if isinstance(module, PolicyWithValueHead):
+        core = module.lm
+    elif isinstance(module, CriticValues):
+        core = module.model
+    layers = getattr(getattr(core, "base_model", None), "layers", None)
+    if layers is None:
+        raise ValueError(
+            "dist.strategy=fsdp: cannot find the model's decoder layers "
+            "(expected base_model.layers)"
+        )
+    return list(layers)
+
+
+def shard(module: nn.Module, mixed_precision: str = "none") -> nn.Module:
+    """FSDP2: shard every decoder layer, then the root (which keeps embeddings and heads)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    dtypes = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+    mp = MixedPrecisionPolicy(
+        param_dtype=dtypes[mixed_precision],
+        reduce_dtype=torch.float32 if dtypes[mixed_precision] else None,
+    )
+    for layer in decoder_layers(module):
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(module, mp_policy=mp)
+    return module
+
+
+def wrap_trained(
+    module: nn.Module, ctx: DistContext, strategy: str, mixed_precision: str = "none"
+) -> nn.Module:
+    """The module that training calls: DDP-wrapped, FSDP-sharded in place, or itself."""
+    if not ctx.enabled:
+        return module
+    if strategy == "fsdp":
+        return shard(module, mixed_precision)
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return DDP(module, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None)
+
+
+@contextlib.contextmanager
+def accumulate(modules: list[nn.Module], sync: bool):
+    """Skip the gradient all-reduce on all but the last micro-batch of a minibatch."""
+    with contextlib.ExitStack() as stack:
+        for m in modules:
+            if hasattr(m, "no_sync") and not sync:
+                stack.enter_context(m.no_sync())
+            elif hasattr(m, "set_requires_gradient_sync"):
+                m.set_requires_gradient_sync(sync)
+        yield
+
+
+def full_state_dict(module: nn.Module, ctx: DistContext, strategy: str) -> dict | None:
+    """Plain (unsharded, CPU) weights; every rank must call it under FSDP."""
+    if ctx.enabled and strategy == "fsdp":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(
+            module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+    return None
+
+
+def load_full_state_dict(module: nn.Module, state: dict) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    # strict=False only because tied embeddings are saved once (lm_head.weight is absent)
+    result = set_model_state_dict(
+        module, state, options=StateDictOptions(full_state_dict=True, strict=False)
+    )
+    missing = [k for k in getattr(result, "missing_keys", []) if not k.endswith("lm_head.weight")]
+    if missing or getattr(result, "unexpected_keys", []):
+        raise RuntimeError(
+            f"checkpoint does not match the model: missing {missing[:3]}, "
+            f"unexpected {list(getattr(result, 'unexpected_keys', []))[:3]}"
+        )
+
+
+def optimizer_state(module, opt, ctx: DistContext, strategy: str) -> dict:
+    if ctx.enabled and strategy == "fsdp":
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+        )
+
+        return get_optimizer_state_dict(
+            module, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+    return opt.state_dict()
+
+
+def load_optimizer_state(module, opt, state: dict, ctx: DistContext, strategy: str) -> None:
+    if ctx.enabled and strategy == "fsdp":
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
+
+        set_optimizer_state_dict(module, opt, state, options=StateDictOptions(full_state_dict=True))
+    else:
+        opt.load_state_dict(state)

@@ -1,0 +1,81 @@
+"""Run under torchrun by tests/test_distributed.py (and directly for the 1-rank reference)."""
+
+import sys
+
+import torch
+
+import rlhflab.trainers.ppo as ppo_module
+from rlhflab.config import load_config
+from rlhflab.rollout import Rollout, left_pad
+from rlhflab.trainers.ppo import PPOTrainer
+
+ANSWERS = [" cat dog sun", " red", " blue green apple pear"]
+
+
+def fixed_rollout(model, tokenizer, prompts, max_new_tokens, *args, **kwargs):
+    """The same answers for the same prompts, whatever the rank layout: sampling controlled."""
+    encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    prompt_ids, prompt_mask = left_pad(encoded, tokenizer.pad_token_id)
+    rows = [
+        tokenizer(ANSWERS[sum(map(ord, p)) % 3], add_special_tokens=False)["input_ids"][
+            : max_new_tokens - 1
+        ]
+        + [tokenizer.eos_token_id]
+        for p in prompts
+    ]
+    width = max(len(r) for r in rows)
+    resp = torch.full((len(rows), width), tokenizer.pad_token_id)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        resp[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1
+    texts = tokenizer.batch_decode(resp, skip_special_tokens=True)
+    return Rollout(
+        prompt_ids,
+        prompt_mask,
+        resp,
+        mask,
+        torch.ones(len(rows), dtype=torch.bool),
+        list(prompts),
+        texts,
+    )
+
+
+def config(out_dir, *over, stage="ppo"):
+    base = {
+        "device": "cpu",
+        "model": {"policy": "preset:nano", "value_model": "separate"},
+        "reward": {"functions": {"rlhflab.toy_rewards:vowel_reward": 1.0}},
+        "rollout": {"prompts_per_iteration": 8, "max_new_tokens": 6},
+        "ppo": {"iterations": 1, "epochs": 1, "minibatches": 1, "lr": 1e-2, "critic_lr": 1e-2},
+        "monitor": {"enabled": True},
+        "log": {"output_dir": out_dir, "progress": False, "checkpoint_every": 1},
+    }
+    return load_config(base=base, overrides=list(over), stage=stage)
+
+
+if __name__ == "__main__":
+    mode, out = sys.argv[1], sys.argv[2]
+    if mode == "equiv":  # one update on fixed rollouts; rank 0 saves the weights
+        ppo_module.generate_rollout = fixed_rollout
+        t = PPOTrainer(config(out + "-run", *sys.argv[3:]))
+        t.fit()
+        if t.ctx.is_main:
+            torch.save(
+                {"policy": t.cast.policy.state_dict(), "critic": t.cast.critic.state_dict()}, out
+            )
+    elif mode == "grpo":
+        from rlhflab.trainers.grpo import GRPOTrainer
+
+        cfg = config(
+            out,
+            "model.value_model=none",
+            "ppo.kl_placement=loss",
+            "ppo.kl_estimator=k3",
+            "grpo.group_size=2",
+            *sys.argv[3:],
+            stage="grpo",
+        )
+        GRPOTrainer(cfg).fit()
+    else:  # mode "run": real sampling, checkpoints; resumes when a checkpoint exists
+        t = PPOTrainer(config(out, *sys.argv[3:]))
+        t.fit(resume=True)

@@ -1,0 +1,113 @@
+"""GRPO, RLOO and DPO on the shared infrastructure (nano/tiny presets, seconds each)."""
+
+import pytest
+import torch
+
+from rlhflab.config import ConfigError, load_config
+from rlhflab.runlog import read_jsonl
+from rlhflab.trainers.dpo import DPO_BASE, DPOTrainer
+from rlhflab.trainers.grpo import GRPO_BASE, GRPOTrainer
+
+VOLATILE = ("time/", "throughput/", "memory/")
+
+
+def grpo_cfg(tmp_path, *over, out="run"):
+    base = {
+        **GRPO_BASE,
+        "device": "cpu",
+        "model": {"policy": "preset:tiny", "value_model": "none"},
+        "reward": {"functions": {"rlhflab.toy_rewards:vowel_reward": 1.0}},
+        "rollout": {"prompts_per_iteration": 16, "max_new_tokens": 8},
+        "ppo": {**GRPO_BASE["ppo"], "iterations": 4, "epochs": 2, "minibatches": 2, "lr": 1e-3},
+        "grpo": {"group_size": 4},
+        "log": {"output_dir": str(tmp_path / out), "progress": False, "checkpoint_every": 2},
+    }
+    return load_config(base=base, overrides=list(over), stage="grpo")
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo"])
+def test_group_trainers_raise_reward_with_ratio_one_at_first(tmp_path, estimator):
+    t = GRPOTrainer(grpo_cfg(tmp_path, "ppo.iterations=20", "ppo.epochs=4"), estimator=estimator)
+    assert t.cast.critic is None and not t.cast.shared
+    t.fit()
+    assert t.first_minibatch["policy/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert t.first_minibatch["policy/approx_kl"] == pytest.approx(0.0, abs=1e-7)
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    scores = [r["objective/scores"] for r in rows]
+    assert sum(scores[-5:]) / 5 > sum(scores[:5]) / 5 + 0.05, scores
+    assert f"{estimator}/zero_std_fraction" in rows[0] and "val/loss" not in rows[0]
+
+
+def test_group_prompts_are_consecutive(tmp_path):
+    t = GRPOTrainer(grpo_cfg(tmp_path))
+    prompts = t.next_prompts()
+    assert len(prompts) == 16
+    assert all(len(set(prompts[i : i + 4])) == 1 for i in range(0, 16, 4))
+
+
+def test_grpo_resume_is_bit_identical(tmp_path):
+    straight = GRPOTrainer(grpo_cfg(tmp_path, out="a"), estimator="rloo")
+    straight.fit()
+    half = GRPOTrainer(grpo_cfg(tmp_path, out="b"), estimator="rloo")
+    half.cfg.ppo.iterations = 2
+    half.fit()
+    resumed = GRPOTrainer(grpo_cfg(tmp_path, out="b"), estimator="rloo")
+    resumed.fit(resume=True)
+    for a, b in zip(
+        straight.cast.policy.state_dict().values(), resumed.cast.policy.state_dict().values()
+    ):
+        assert torch.equal(a, b)
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows]  # noqa: E731
+    assert strip(read_jsonl(tmp_path / "a" / "metrics.jsonl")) == strip(
+        read_jsonl(tmp_path / "b" / "metrics.jsonl")
+    )
+
+
+def test_grpo_config_errors_name_the_field(tmp_path):
+    with pytest.raises(ConfigError, match=r"grpo\.group_size"):
+        grpo_cfg(tmp_path, "grpo.group_size=3")
+    with pytest.raises(ConfigError, match=r"model\.value_model"):
+        grpo_cfg(tmp_path, "model.value_model=shared")
+    with pytest.raises(ConfigError, match=r"model\.value_model: PPO needs a critic"):
+        load_config(
+            overrides=[
+                "model.value_model=none",
+                "reward.functions={'rlhflab.toy_rewards:vowel_reward': 1}",
+            ]
+        )
+
+
+def dpo_cfg(tmp_path, *over, out="dpo"):
+    base = {
+        **DPO_BASE,
+        "device": "cpu",
+        "model": {"policy": "preset:tiny", "value_model": "none"},
+        "dpo": {"pairs": 200, "steps": 4, "batch_size": 16, "lr": 1e-3},
+        "log": {"output_dir": str(tmp_path / out), "progress": False, "checkpoint_every": 2},
+    }
+    return load_config(base=base, overrides=list(over), stage="dpo")
+
+
+def test_dpo_starts_at_log2_and_learns_the_preferences(tmp_path):
+    t = DPOTrainer(dpo_cfg(tmp_path, "dpo.steps=30"))
+    first = t.step()  # policy == reference: zero implicit rewards, loss log 2
+    assert first["loss"] == pytest.approx(0.6931, abs=1e-4)
+    assert first["rewards/margin"] == pytest.approx(0.0, abs=1e-6)
+    t.fit()
+    rows = read_jsonl(tmp_path / "dpo" / "metrics.jsonl")
+    acc = [r["rewards/accuracy"] for r in rows]
+    assert sum(acc[-5:]) / 5 > 0.6 and rows[-1]["rewards/margin"] > 0
+
+
+def test_dpo_resume_is_bit_identical_and_ipo_runs(tmp_path):
+    straight = DPOTrainer(dpo_cfg(tmp_path, out="a"))
+    straight.fit()
+    half = DPOTrainer(dpo_cfg(tmp_path, out="b"))
+    half.cfg.dpo.steps = 2
+    half.fit()
+    resumed = DPOTrainer(dpo_cfg(tmp_path, out="b"))
+    resumed.fit(resume=True)
+    for a, b in zip(straight.policy.state_dict().values(), resumed.policy.state_dict().values()):
+        assert torch.equal(a, b)
+    ipo = DPOTrainer(dpo_cfg(tmp_path, "dpo.loss_type=ipo", "dpo.steps=1", out="ipo")).fit()
+    assert ipo["last"]["loss"] == pytest.approx((1 / (2 * 0.1)) ** 2, rel=1e-4)
