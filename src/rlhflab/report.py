@@ -210,15 +210,8 @@ def _thresholds(config_text: str) -> dict[str, float]:
 
 
 def _summary_table(summary: dict) -> str:
-    cols = (
-        "gold",
-        "proxy",
-        "accuracy",
-        "kl_to_reference",
-        "length",
-        "flattery_rate",
-        "repetition_rate",
-    )
+    from rlhflab.demo import COLUMNS as cols
+
     rows = [
         [name] + [f"{summary[name].get(c, float('nan')):.3f}" for c in cols]
         for name in ("sft", "ppo")

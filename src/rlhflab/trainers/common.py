@@ -36,6 +36,16 @@ def build_optimizer_simple(params, lr: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=lr)
 
 
+def supervised_step(model, opt, sched, loss: torch.Tensor, max_norm: float = 1.0) -> float:
+    """Backward, clip, step and clear for the supervised stages; returns the loss value."""
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    opt.step()
+    sched.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.item()
+
+
 def build_scheduler(opt, warmup_steps: int, total_steps: int, schedule: str):
     return torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_factor(s, warmup_steps, total_steps, schedule)

@@ -21,7 +21,12 @@ from rlhflab import tasks
 from rlhflab.config import Config, ConfigError
 from rlhflab.data import DataError, PreferencePair, load_preferences
 from rlhflab.rewards import last_real_index
-from rlhflab.trainers.common import build_optimizer_simple, build_scheduler, progress
+from rlhflab.trainers.common import (
+    build_optimizer_simple,
+    build_scheduler,
+    progress,
+    supervised_step,
+)
 
 log = logging.getLogger(__name__)
 
@@ -165,14 +170,9 @@ def train_rm(cfg: Config) -> dict:
         )
         if not torch.isfinite(loss):
             raise FloatingPointError(f"RM step {step + 1}: non-finite loss; lower rm.lr")
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        losses.append(supervised_step(model, opt, sched, loss))
         if hasattr(bar, "set_postfix") and step % 10 == 0:
-            bar.set_postfix(loss=f"{loss.item():.3f}")
+            bar.set_postfix(loss=f"{losses[-1]:.3f}")
     accuracy = heldout_accuracy(model, tokenizer, held, held_t, heads, device)
     out = Path(r.output_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,12 @@ from rlhflab import models as M
 from rlhflab import tasks
 from rlhflab.config import Config
 from rlhflab.data import DataError, iter_rows
-from rlhflab.trainers.common import build_optimizer_simple, build_scheduler, progress
+from rlhflab.trainers.common import (
+    build_optimizer_simple,
+    build_scheduler,
+    progress,
+    supervised_step,
+)
 
 log = logging.getLogger(__name__)
 
@@ -91,14 +96,9 @@ def train_sft(cfg: Config) -> dict:
         loss = response_nll(model, tokenizer, [pairs[i] for i in idx], device)
         if not torch.isfinite(loss):
             raise FloatingPointError(f"SFT step {step + 1}: non-finite loss; lower sft.lr")
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        losses.append(supervised_step(model, opt, sched, loss))
         if hasattr(bar, "set_postfix") and step % 10 == 0:
-            bar.set_postfix(loss=f"{loss.item():.3f}")
+            bar.set_postfix(loss=f"{losses[-1]:.3f}")
     out = Path(s.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
