@@ -103,7 +103,13 @@ def run_compare(
     out_root: str | Path = "runs",
     extra: list[str] | None = None,
     progress: bool = True,
+    eval_prompts: int | None = None,
 ) -> dict:
+    """Train SFT and the reward model once, then each method in its own process.
+
+    ``extra`` are config overrides applied to every stage (``ppo.iterations=5``);
+    ``eval_prompts`` defaults to the preset's held-out set size.
+    """
     from rlhflab.config import load_config
     from rlhflab.demo import _COMMON, PRESETS, demo_config
     from rlhflab.trainers.rm import train_rm
@@ -114,7 +120,7 @@ def run_compare(
     run.mkdir(parents=True, exist_ok=True)
     cfg.sft.output_dir, cfg.rm.output_dir = str(run / "sft"), str(run / "rm")
     cfg.model.policy, cfg.reward.model = str(run / "sft"), str(run / "rm")
-    cfg.log.progress = progress
+    cfg.log.progress = progress and cfg.log.progress
     sft_cfg = load_config(base=_COMMON, overrides=[f"seed={seed}"], stage="sft")
     sft_cfg.sft, sft_cfg.log = cfg.sft, cfg.log
     train_sft(sft_cfg)
@@ -129,7 +135,7 @@ def run_compare(
             "print(json.dumps(worker(sys.argv[1], sys.argv[2], int(sys.argv[3]))))",
             method,
             json.dumps(configbase.to_dict(mc)),
-            str(PRESETS[preset]["eval_prompts"]),
+            str(eval_prompts or PRESETS[preset]["eval_prompts"]),
         ]
         done = subprocess.run(args, capture_output=True, text=True)
         if done.returncode != 0:

@@ -113,7 +113,7 @@ def run_demo(
     from rlhflab.trainers.sft import train_sft
 
     run, cfg = demo_config(preset, seed, out_root, extra)
-    cfg.log.progress = progress
+    cfg.log.progress = progress and cfg.log.progress  # `log.progress=false` wins
     run.mkdir(parents=True, exist_ok=True)
     timing, t_all = {}, time.perf_counter()
 

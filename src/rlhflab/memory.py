@@ -10,7 +10,20 @@ from rlhflab.models import module_bytes
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident set size of this process so far (Linux reports KiB, macOS bytes)."""
+    """Peak resident set size of this process so far.
+
+    On Linux this reads ``VmHWM`` from ``/proc/self/status``: ``ru_maxrss`` carries the
+    parent's peak across fork+exec (the kernel folds the old address space's high-water
+    mark into it), so a worker started by a big parent would report the parent's peak.
+    Elsewhere ``ru_maxrss`` (macOS reports bytes, other systems KiB).
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
 

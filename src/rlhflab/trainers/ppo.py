@@ -69,6 +69,8 @@ METRICS = {
     "response/length_mean": "mean answer length in tokens (EOS included)",
     "response/length_max": "longest answer in tokens",
     "response/eos_rate": "fraction of answers that ended with EOS",
+    "response/count": "answers generated this iteration, all ranks",
+    "response/tokens": "answer tokens generated this iteration, all ranks (the compute budget)",
     "time/generate": "seconds sampling",
     "time/score": "seconds scoring",
     "time/train": "seconds in the PPO epochs",
@@ -267,6 +269,9 @@ class PPOTrainer(CheckpointedRun):
             "response/length_mean": lengths.mean().item(),
             "response/length_max": lengths.max().item(),
             "response/eos_rate": rollout.ended.float().mean().item(),
+            # rank-mean × world = global total once mean_metrics has averaged over ranks
+            "response/count": float(len(rollout) * self.ctx.world),
+            "response/tokens": lengths.sum().item() * self.ctx.world,
             "time/generate": t_gen,
             "time/score": t_score,
             "time/train": t_train,
