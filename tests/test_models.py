@@ -211,3 +211,24 @@ def test_separate_critic_must_share_the_tokenizer(foreign_rm, tmp_path):
     cfg = cast_config(**{"reward.model": str(foreign_rm), "model.value_model": "from_reward"})
     with pytest.raises(M.ModelLoadError, match="share the policy's tokenizer"):
         build_cast(cfg)
+
+
+def test_ignore_eos_samples_full_length_even_when_eos_is_certain():
+    from rlhflab.rollout import sample
+
+    path = M.resolve_path("preset:nano")
+    tok = M.load_tokenizer(path)
+    lm = M.load_causal_lm(path, tok)
+    eos = tok.eos_token_id
+    # make EOS the only token the model ever samples
+    lm.lm_head.register_forward_hook(
+        lambda mod, inp, out: out.index_fill(-1, torch.tensor([eos]), 1e4)
+    )
+    ids = torch.tensor([tok("2 + 2", add_special_tokens=False)["input_ids"]] * 3)
+    mask = torch.ones_like(ids)
+    gen = torch.Generator().manual_seed(0)
+    resp, rmask, ended = sample(lm, ids, mask, 5, eos, tok.pad_token_id, generator=gen)
+    assert resp.shape == (3, 1) and ended.all() and rmask.sum() == 3  # stops at the first EOS
+    resp, rmask, ended = sample(lm, ids, mask, 5, None, tok.pad_token_id, generator=gen)
+    assert resp.shape == (3, 5) and (resp == eos).all()
+    assert rmask.all() and not ended.any()  # EOS was an ordinary token: full length, no end

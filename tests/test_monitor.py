@@ -44,12 +44,14 @@ def test_monitor_thresholds_fire_and_warmup_is_respected():
     mon = HackingMonitor(cfg.monitor)
     ro = fake_rollout(["Great question! a", "Great question! b"], [1.0, 2.0], [3, 6])
     metrics = {"objective/scores": 1.5, "objective/kl": 0.1, "policy/entropy": 2.0}
-    sig = mon.signals(ro, metrics, ref_lengths=torch.tensor([2, 2]))
+    ref = fake_rollout(["Great question! a", "plain b"], [0.0, 0.0], [2, 2])
+    sig = mon.signals(ro, metrics, reference=ref)
     assert sig["flattery_rate"] == 1.0 and sig["length_ratio"] == pytest.approx(4.5 / 2)
+    assert sig["flattery_excess"] == pytest.approx(0.5)
     assert sig["reward_length_corr"] == pytest.approx(1.0)
     assert mon.check(1, sig) == []  # warm-up
     fired = {a.signal for a in mon.check(2, sig)}
-    assert fired == {"flattery_rate", "length_ratio", "reward_length_corr"}
+    assert fired == {"flattery_rate", "flattery_excess", "length_ratio", "reward_length_corr"}
     sig = mon.signals(ro, {**metrics, "policy/entropy": 0.1}, None)
     assert "entropy_ratio" in {a.signal for a in mon.check(3, sig)}
 

@@ -81,6 +81,13 @@ def test_missing_eos_penalty_applies(tmp_path):
     assert m["objective/scores"] == pytest.approx(expect.mean().item(), abs=1e-6)
 
 
+def test_ignore_eos_gives_every_answer_full_length(tmp_path):
+    t = PPOTrainer(make_cfg(tmp_path, "ppo.iterations=1", "rollout.ignore_eos=true"))
+    m = t.step()
+    assert m["response/count"] == 8 and m["response/tokens"] == 8 * 8
+    assert m["response/eos_rate"] == 0.0
+
+
 def test_resume_is_bit_identical(tmp_path):
     straight = PPOTrainer(make_cfg(tmp_path, f"log.output_dir={tmp_path / 'a'}"))
     straight.fit()

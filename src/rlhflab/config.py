@@ -122,6 +122,11 @@ class RolloutConfig:
         64, "Longest prompt in tokens; longer ones are a data error.", low=1
     )
     max_new_tokens: int = setting(32, "Answer length limit; answers cut here have no EOS.", low=1)
+    ignore_eos: bool = setting(
+        False,
+        "Treat EOS as an ordinary token: every answer is max_new_tokens long and none 'ends' "
+        "(so reward.missing_eos_penalty hits all). For benchmarks that need equal work.",
+    )
     temperature: float = setting(
         1.0,
         "Sampling temperature; every log-prob in training uses the same one (N+ detail).",
@@ -326,6 +331,11 @@ class MonitorConfig:
     )
     length_ratio: float | None = setting(1.5, "Alert above this length ratio to the reference.")
     flattery_rate: float | None = setting(0.5, "Alert above this share of flattering answers.")
+    flattery_excess: float | None = setting(
+        0.15,
+        "Alert when the share of flattering answers exceeds the reference's on the same "
+        "prompts by this much (needs reference_every; fires earlier than flattery_rate).",
+    )
     repeated_ngram_rate: float | None = setting(0.3, "Alert above this repeated n-gram share.")
     reward_length_corr: float | None = setting(0.8, "Alert above this score–length correlation.")
     gold_drop: float | None = setting(

@@ -4,7 +4,10 @@ Signals (logged as ``monitor/<name>`` every iteration):
 
 * ``length_ratio``: mean policy answer length / mean reference answer length on the *same
   prompts* (the reference answers them each iteration; longer answers are the classic hack).
-* ``flattery_rate``: share of answers containing a phrase from the configured list.
+* ``flattery_rate``: share of answers containing a phrase from the configured list;
+  ``flattery_excess``: that share minus the reference's own on the same prompts. The
+  baseline-relative form fires early: an SFT model that already says "Great question" to a
+  tenth of the prompts is not hacking, one that went from a tenth to a quarter has started.
 * ``repeated_ngram_rate``: share of token n-grams that already occurred earlier in the same
   answer; ``distinct_n``: unique n-grams / all n-grams over the batch.
 * ``reward_length_corr``: Pearson correlation of score and answer length within the batch.
@@ -42,6 +45,9 @@ ADVICE = {
     "penalty, or debias the reward model's length preference",
     "flattery_rate": "flattering phrases spread: the reward model rewards them; retrain it on "
     "pairs that penalise filler or lower that head's weight",
+    "flattery_excess": "the policy flatters more often than the reference on the same prompts: "
+    "the reward model rewards filler; raise ppo.kl_coef, lower that head's weight, or "
+    "retrain the reward model on pairs that penalise it",
     "repeated_ngram_rate": "answers repeat themselves: raise ppo.kl_coef or penalise repetition",
     "reward_length_corr": "reward tracks length: the reward model prefers longer answers",
     "gold_drop": "the gold reward falls while the proxy rises: stop and inspect samples; raise "
@@ -60,6 +66,11 @@ def repeated_ngram_rate(tokens: list[int], n: int) -> float:
         repeats += g in seen
         seen.add(g)
     return repeats / len(grams)
+
+
+def flattery_share(responses: list[str], phrases: list[str]) -> float:
+    """Share of responses that contain at least one of the phrases (exact substring)."""
+    return sum(any(p in r for p in phrases) for r in responses) / max(1, len(responses))
 
 
 def distinct_n(token_lists: list[list[int]], n: int) -> float:
@@ -121,18 +132,22 @@ class HackingMonitor:
         )
         self.state = MonitorState()
 
-    def signals(self, rollout, metrics: dict, ref_lengths: torch.Tensor | None) -> dict:
+    def signals(self, rollout, metrics: dict, reference=None) -> dict:
+        """Signals of one scored rollout. ``reference``: the reference policy's rollout on the
+        same prompts (anything with ``response_mask`` and ``responses``), or None when it
+        was not sampled this iteration (then the baseline-relative signals are absent)."""
         mc, st = self.cfg, self.state
         mask = rollout.response_mask.bool()
         lengths = rollout.response_mask.sum(1).float()
         tokens = [row[m].tolist() for row, m in zip(rollout.response_ids, mask)]
         out: dict[str, float] = {}
-        if ref_lengths is not None:
-            out["length_ratio"] = float(lengths.mean() / ref_lengths.float().mean().clamp(min=1))
-        phrases = mc.phrases
-        out["flattery_rate"] = sum(any(p in r for p in phrases) for r in rollout.responses) / max(
-            1, len(rollout.responses)
-        )
+        out["flattery_rate"] = flattery_share(rollout.responses, mc.phrases)
+        if reference is not None:
+            ref_lengths = reference.response_mask.sum(1).float()
+            out["length_ratio"] = float(lengths.mean() / ref_lengths.mean().clamp(min=1))
+            out["flattery_excess"] = out["flattery_rate"] - flattery_share(
+                reference.responses, mc.phrases
+            )
         out["repeated_ngram_rate"] = sum(repeated_ngram_rate(t, mc.ngram) for t in tokens) / max(
             1, len(tokens)
         )
@@ -168,6 +183,7 @@ class HackingMonitor:
         return {
             "length_ratio": (mc.length_ratio, "above"),
             "flattery_rate": (mc.flattery_rate, "above"),
+            "flattery_excess": (mc.flattery_excess, "above"),
             "repeated_ngram_rate": (mc.repeated_ngram_rate, "above"),
             "reward_length_corr": (mc.reward_length_corr, "above"),
             "gold_drop": (mc.gold_drop, "above"),

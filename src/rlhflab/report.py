@@ -196,15 +196,9 @@ def _thresholds(config_text: str) -> dict[str, float]:
         mon = (yaml.safe_load(config_text) or {}).get("monitor", {})
     except yaml.YAMLError:
         return {}
-    keys = (
-        "length_ratio",
-        "flattery_rate",
-        "repeated_ngram_rate",
-        "reward_length_corr",
-        "gold_drop",
-        "entropy_ratio",
-    )
-    out = {k: mon[k] for k in keys if isinstance(mon.get(k), (int, float))}
+    from rlhflab.monitor import ADVICE
+
+    out = {k: mon[k] for k in ADVICE if isinstance(mon.get(k), (int, float))}
     out["kl_excess"] = 1.0
     return out
 

@@ -97,7 +97,7 @@ def sample(
     prompt_ids,
     prompt_mask,
     max_new_tokens: int,
-    eos_id: int,
+    eos_id: int | None,
     pad_id: int,
     temperature: float = 1.0,
     top_k: int = 0,
@@ -108,7 +108,8 @@ def sample(
     """Sample answers with a KV cache. Returns (response_ids, response_mask, ended).
 
     Tokens after a row's first EOS are pad and masked out; the EOS itself is kept in the
-    mask. Generation stops early once every row has ended.
+    mask. Generation stops early once every row has ended. ``eos_id=None`` makes EOS an
+    ordinary token: every answer is ``max_new_tokens`` long (benchmarks need equal work).
     """
     global _warned_truncated
     if (top_k or top_p < 1.0) and not _warned_truncated:
@@ -133,7 +134,8 @@ def sample(
         nxt = torch.multinomial(probs, 1, generator=generator).squeeze(1)
         nxt = torch.where(finished, torch.full_like(nxt, pad_id), nxt)
         tokens.append(nxt)
-        finished = finished | (nxt == eos_id)
+        if eos_id is not None:
+            finished = finished | (nxt == eos_id)
         done = bool(finished.all())
         if all_done is not None:  # data parallel with sharded weights: stop together
             done = all_done(done)
@@ -150,7 +152,9 @@ def sample(
         next_pos = next_pos + 1
     response = torch.stack(tokens, dim=1)
     # mask: everything up to and including the first EOS
-    is_eos = response == eos_id
+    is_eos = (
+        response == eos_id if eos_id is not None else torch.zeros_like(response, dtype=torch.bool)
+    )
     after_eos = (is_eos.long().cumsum(1) - is_eos.long()) > 0
     response_mask = (~after_eos).long()
     response = torch.where(after_eos, torch.full_like(response, pad_id), response)
@@ -168,6 +172,7 @@ def generate_rollout(
     generator,
     device,
     all_done=None,
+    ignore_eos: bool = False,
 ) -> Rollout:
     encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
     prompt_ids, prompt_mask = left_pad(encoded, tokenizer.pad_token_id)
@@ -177,7 +182,7 @@ def generate_rollout(
         prompt_ids,
         prompt_mask,
         max_new_tokens,
-        tokenizer.eos_token_id,
+        None if ignore_eos else tokenizer.eos_token_id,
         tokenizer.pad_token_id,
         temperature,
         top_k,

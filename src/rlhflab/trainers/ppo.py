@@ -213,6 +213,7 @@ class PPOTrainer(CheckpointedRun):
             self.gens["sample"],
             self.device,
             all_done=self.all_done,
+            ignore_eos=r.ignore_eos,
         )
         t_gen = time.perf_counter() - t0
 
@@ -313,7 +314,7 @@ class PPOTrainer(CheckpointedRun):
         """Step 9b: reward-hacking signals, alerts, and the configured reaction."""
         mc, r = self.cfg.monitor, self.cfg.rollout
         it = self.iteration + 1
-        ref_lengths = None
+        ref = None
         if mc.reference_every and it % mc.reference_every == 0:
             ref = generate_rollout(
                 self.cast.reference,
@@ -326,9 +327,9 @@ class PPOTrainer(CheckpointedRun):
                 self.gens["monitor"],
                 self.device,
                 all_done=self.all_done,
+                ignore_eos=r.ignore_eos,
             )
-            ref_lengths = ref.response_mask.sum(1)
-        signals = self.ctx.mean_metrics(self.monitor.signals(rollout, metrics, ref_lengths))
+        signals = self.ctx.mean_metrics(self.monitor.signals(rollout, metrics, ref))
         alerts = self.monitor.check(it, signals)
         for alert in alerts:
             log.warning("%s", alert.message())
