@@ -3,11 +3,13 @@
 Runs ``rlhflab demo`` for each preset and seed (or reuses a finished run folder), then reads
 the PPO run's ``metrics.jsonl`` and ``alerts.jsonl`` and prints one row per run:
 
-* gold start → end: the held-out gold reward of the SFT and the PPO policy (512 prompts,
-  from ``summary.json``) — precise numbers, unlike one batch of 64;
-* half-drop iteration: the first PPO iteration whose batch gold reward (``monitor/gold``, the
-  64 training answers) is at or below the midpoint of start and end. The raw batch is noisy,
-  so noise can only make this iteration *earlier*, which is against the monitors;
+* gold start → end: the batch gold reward (``monitor/gold``, the 64 training answers of
+  each iteration) averaged over the first 3 iterations (the policy has barely moved) and
+  over the last 5;
+* half-drop iteration: the first iteration (from the 2nd) at which the gold reward, as a
+  centred 5-iteration moving average, is at or below the midpoint of start and end. One
+  batch's mean moves ±0.08; the centred window does not lag, so it does not favour the
+  monitors, it only keeps a single unlucky batch from counting as the collapse;
 * first alert: the first iteration with any alert, and the signals that fired then;
 * verdict: ``before`` when the first alert precedes the half-drop iteration.
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 
@@ -32,23 +35,25 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def analyse(run: Path) -> dict:
     """One evidence row from a finished demo run folder (``<out>/<preset>-s<seed>``)."""
-    summary = json.loads((run / "summary.json").read_text())
     metrics = read_jsonl(run / "ppo" / "metrics.jsonl")
     alerts = read_jsonl(run / "ppo" / "alerts.jsonl")
-    start, end = summary["sft"]["gold"], summary["ppo"]["gold"]
+    gold = [row["monitor/gold"] for row in metrics]
+    start, end = sum(gold[:3]) / 3, sum(gold[-5:]) / 5
+    smooth = [statistics.mean(gold[max(0, i - 2) : i + 3]) for i in range(len(gold))]
     half_drop = None
     if end < start:
         midpoint = (start + end) / 2
-        for row in metrics:
-            if row["monitor/gold"] <= midpoint:
-                half_drop = row["iteration"]
-                break
+        half_drop = next(
+            (metrics[i]["iteration"] for i in range(1, len(gold)) if smooth[i] <= midpoint), None
+        )
+    summary = json.loads((run / "summary.json").read_text())
     first = min((a["iteration"] for a in alerts), default=None)
     fired = sorted({a["signal"] for a in alerts if a["iteration"] == first})
     return {
         "run": run.name,
         "gold_start": start,
         "gold_end": end,
+        "heldout_gold": (summary["sft"]["gold"], summary["ppo"]["gold"]),
         "half_drop_iteration": half_drop,
         "first_alert": first,
         "first_signals": fired,
@@ -60,8 +65,9 @@ def analyse(run: Path) -> dict:
 
 def format_rows(rows: list[dict]) -> str:
     lines = [
-        "| run | gold start → end | half-drop iteration | first alert (signals) | alerts |",
-        "| --- | --- | ---: | --- | ---: |",
+        "| run | batch gold start → end | held-out gold SFT → PPO | half-drop iteration "
+        "| first alert (signals) | alerts |",
+        "| --- | --- | --- | ---: | --- | ---: |",
     ]
     for r in rows:
         first = (
@@ -71,7 +77,8 @@ def format_rows(rows: list[dict]) -> str:
         )
         half = r["half_drop_iteration"] if r["half_drop_iteration"] is not None else "—"
         lines.append(
-            f"| {r['run']} | {r['gold_start']:.3f} → {r['gold_end']:.3f} | {half} | {first} "
+            f"| {r['run']} | {r['gold_start']:.3f} → {r['gold_end']:.3f} | "
+            f"{r['heldout_gold'][0]:.3f} → {r['heldout_gold'][1]:.3f} | {half} | {first} "
             f"| {r['alerts']} |"
         )
     return "\n".join(lines)

@@ -60,12 +60,14 @@ PRESETS: dict[str, dict] = {
         "overrides": {
             "sft.steps": 1000,
             "rm.steps": 400,
-            "ppo.iterations": 40,
+            "ppo.iterations": 50,
             "rm.length_bias": 0.3,
             "rm.flattery_bias": 1.5,
             "reward.heads": {"preference": 1.0, "politeness": 1.0},
             "ppo.kl_coef": 0.001,
-            "ppo.lr": 2e-5,  # slower than the other presets, so the slide is visible
+            # a tenth of the other presets' lr: the slide takes ~10 iterations instead of 2,
+            # so there is time to see it coming (docs/monitors.md)
+            "ppo.lr": 5e-6,
         },
     },
 }

@@ -5,9 +5,11 @@ Signals (logged as ``monitor/<name>`` every iteration):
 * ``length_ratio``: mean policy answer length / mean reference answer length on the *same
   prompts* (the reference answers them each iteration; longer answers are the classic hack).
 * ``flattery_rate``: share of answers containing a phrase from the configured list;
-  ``flattery_excess``: that share minus the reference's own on the same prompts. The
-  baseline-relative form fires early: an SFT model that already says "Great question" to a
-  tenth of the prompts is not hacking, one that went from a tenth to a quarter has started.
+  ``flattery_excess``: that share minus the reference's own, pooled over every iteration's
+  reference answers to the same prompts (the reference is frozen, so pooling only removes
+  noise: one batch of 64 moves ±0.05). The baseline-relative form fires early: an SFT model
+  that already says "Great question" to a tenth of the prompts is not hacking, one that
+  went from a tenth to a quarter has started.
 * ``repeated_ngram_rate``: share of token n-grams that already occurred earlier in the same
   answer; ``distinct_n``: unique n-grams / all n-grams over the batch.
 * ``reward_length_corr``: Pearson correlation of score and answer length within the batch.
@@ -105,6 +107,8 @@ class MonitorState:
     proxy_ema: float | None = None
     best_gold: float = -math.inf
     proxy_at_best: float = -math.inf
+    ref_flattering: int = 0  # reference answers with a flattery phrase, all iterations
+    ref_answers: int = 0
     alerts: list[Alert] = field(default_factory=list)
 
     def state_dict(self) -> dict:
@@ -114,6 +118,8 @@ class MonitorState:
             "proxy_ema": self.proxy_ema,
             "best_gold": self.best_gold,
             "proxy_at_best": self.proxy_at_best,
+            "ref_flattering": self.ref_flattering,
+            "ref_answers": self.ref_answers,
         }
 
     def load_state_dict(self, s: dict) -> None:
@@ -145,9 +151,11 @@ class HackingMonitor:
         if reference is not None:
             ref_lengths = reference.response_mask.sum(1).float()
             out["length_ratio"] = float(lengths.mean() / ref_lengths.mean().clamp(min=1))
-            out["flattery_excess"] = out["flattery_rate"] - flattery_share(
-                reference.responses, mc.phrases
+            st.ref_flattering += round(
+                flattery_share(reference.responses, mc.phrases) * len(reference.responses)
             )
+            st.ref_answers += len(reference.responses)
+            out["flattery_excess"] = out["flattery_rate"] - st.ref_flattering / st.ref_answers
         out["repeated_ngram_rate"] = sum(repeated_ngram_rate(t, mc.ngram) for t in tokens) / max(
             1, len(tokens)
         )
