@@ -192,7 +192,13 @@ def backbone_hidden(model, input_ids, attention_mask) -> torch.Tensor:
     return out.last_hidden_state
 
 
-def causal_forward(model, input_ids, attention_mask, **kwargs):
+def causal_forward(model, input_ids, attention_mask, keep_last: int = 0, **kwargs):
+    """One forward of a causal LM. ``keep_last=N`` computes logits for the last N positions
+    only (``logits_to_keep``): PPO needs them for the answer, not the prompt, and the
+    vocabulary projection of the prompt positions is pure waste (with a 150k vocabulary it
+    is the biggest matmul of the model)."""
+    if keep_last:
+        kwargs["logits_to_keep"] = keep_last
     return model(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -221,9 +227,10 @@ class PolicyWithValueHead(nn.Module):
     def config(self):
         return self.lm.config
 
-    def forward(self, input_ids, attention_mask):
+    def forward(self, input_ids, attention_mask, keep_last: int = 0):
+        """(logits, values); logits for the last ``keep_last`` positions only when > 0."""
         hidden = backbone_hidden(self.lm, input_ids, attention_mask)
-        logits = self.lm.get_output_embeddings()(hidden)
+        logits = self.lm.get_output_embeddings()(hidden[:, -keep_last:] if keep_last else hidden)
         values = self.value_head(hidden).squeeze(-1).clone()  # not a view (FSDP2 hooks)
         return logits, values
 

@@ -213,15 +213,16 @@ def policy_outputs(
 
     ``shared`` says the policy returns (logits, values); by default it is read off the
     module, which a DDP wrapper hides."""
-    cols = response_slice(prompt_len, response_ids.shape[1])
+    T = response_ids.shape[1]
+    keep = T + 1  # logits of positions P-1 .. P+T-1; the last one predicts past the answer
     if shared is None:
         shared = isinstance(policy, M.PolicyWithValueHead)
     if shared:
-        logits, values = policy(seqs, mask)
-        values = values[:, cols].float()
+        logits, values = policy(seqs, mask, keep_last=keep)
+        values = values[:, response_slice(prompt_len, T)].float()
     else:
-        logits, values = M.causal_forward(policy, seqs, mask).logits, None
-    logits = logits[:, cols]
+        logits, values = M.causal_forward(policy, seqs, mask, keep_last=keep).logits, None
+    logits = logits[:, :T]
     logprobs = A.logprobs_from_logits(logits, response_ids, temperature)
     entropy = A.entropy_from_logits(logits, temperature) if with_entropy else None
     return logprobs, values, entropy
@@ -241,10 +242,9 @@ def score_rollout(cast, rollout: Rollout, temperature: float, micro_batch: int) 
         ids, am = seqs[s : s + micro_batch], mask[s : s + micro_batch]
         resp = rollout.response_ids[s : s + micro_batch]
         lp, values, ent = policy_outputs(cast.policy, ids, am, P, resp, temperature, True)
-        ref_logits = M.causal_forward(cast.reference, ids, am).logits
-        ref_lp = A.logprobs_from_logits(
-            ref_logits[:, response_slice(P, resp.shape[1])], resp, temperature
-        )
+        T = resp.shape[1]
+        ref_logits = M.causal_forward(cast.reference, ids, am, keep_last=T + 1).logits
+        ref_lp = A.logprobs_from_logits(ref_logits[:, :T], resp, temperature)
         if values is None and cast.critic_values is not None:
             values = cast.critic_values(ids, am)[:, response_slice(P, resp.shape[1])]
         parts["old"].append(lp)
