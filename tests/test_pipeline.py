@@ -8,6 +8,7 @@ import pytest
 from rlhflab import tasks
 from rlhflab.cli import main
 from rlhflab.data import DataError, load_preferences
+from rlhflab.runlog import read_jsonl
 
 
 def test_task_generator_is_deterministic_and_self_checking():
@@ -146,3 +147,31 @@ def test_quick_demo_improves_gold_reward(tmp_path, capsys):
     assert summary["rm"]["heldout_accuracy"]["preference"] > 0.7
     printed = capsys.readouterr().out
     assert "gold reward +" in printed and "summary:" in printed
+    # the monitors ran every iteration and stayed quiet: no false alarm on an honest run
+    run = tmp_path / "quick-s0" / "ppo"
+    rows = read_jsonl(run / "metrics.jsonl")
+    assert all("monitor/flattery_excess" in r and r["monitor/alerts"] == 0 for r in rows)
+    assert not (run / "alerts.jsonl").exists() or not (run / "alerts.jsonl").read_text()
+
+    # the same SFT model trained against the politeness head alone (it pays for "Great
+    # question!") with a tiny β: the proxy climbs, the gold falls, and the monitors say so
+    from rlhflab.config import load_config
+    from rlhflab.demo import _COMMON
+    from rlhflab.trainers.ppo import PPOTrainer
+
+    hack = [
+        f"model.policy={tmp_path / 'quick-s0' / 'sft'}",
+        f"reward.model={tmp_path / 'quick-s0' / 'rm'}",
+        "reward.heads={'politeness': 1.0}",
+        "ppo.kl_coef=0.001",
+        "ppo.lr=2e-5",
+        "ppo.iterations=8",
+        f"log.output_dir={tmp_path / 'hack'}",
+        "log.progress=false",
+    ]
+    PPOTrainer(load_config(base=_COMMON, overrides=hack)).fit()
+    rows = read_jsonl(tmp_path / "hack" / "metrics.jsonl")
+    assert rows[-1]["objective/scores"] > rows[0]["objective/scores"]
+    assert sum(r["monitor/gold"] for r in rows[-3:]) < sum(r["monitor/gold"] for r in rows[:3])
+    fired = {a["signal"] for a in read_jsonl(tmp_path / "hack" / "alerts.jsonl")}
+    assert "flattery_excess" in fired
