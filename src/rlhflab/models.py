@@ -199,6 +199,7 @@ def causal_forward(model, input_ids, attention_mask, keep_last: int = 0, **kwarg
     is the biggest matmul of the model)."""
     if keep_last:
         kwargs["logits_to_keep"] = keep_last
+    kwargs.setdefault("use_cache", False)  # a scoring/training pass has no use for a KV cache
     return model(
         input_ids=input_ids,
         attention_mask=attention_mask,

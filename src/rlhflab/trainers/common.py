@@ -16,7 +16,23 @@ class TrainingHalted(RuntimeError):
 
 def build_optimizer(groups: list[dict], p) -> torch.optim.Optimizer:
     """AdamW with the configured ε and weight decay (OAI19/N+ use ε = 1e-5)."""
-    return torch.optim.AdamW(groups, eps=p.adam_eps, weight_decay=p.weight_decay)
+    params = [q for g in groups for q in g["params"]]
+    return torch.optim.AdamW(
+        groups, eps=p.adam_eps, weight_decay=p.weight_decay, fused=fused_ok(params)
+    )
+
+
+def fused_ok(params) -> bool:
+    """Whether torch's fused AdamW applies: plain (not sharded) floating tensors on the CPU
+    or CUDA. It updates each tensor in one pass; the default per-tensor loop makes ~10 passes
+    over every weight and its two moments, which on a CPU is memory-bound: about 4 % of a
+    25M-parameter PPO iteration (benchmarks/vs_trl.py)."""
+    from torch.distributed.tensor import DTensor
+
+    return all(
+        type(q) is not DTensor and q.is_floating_point() and q.device.type in ("cpu", "cuda")
+        for q in params
+    )
 
 
 def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
@@ -33,7 +49,8 @@ def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
 
 def build_optimizer_simple(params, lr: float) -> torch.optim.Optimizer:
     """AdamW with torch's defaults, for the supervised stages (SFT, reward model)."""
-    return torch.optim.AdamW(params, lr=lr)
+    params = list(params)
+    return torch.optim.AdamW(params, lr=lr, fused=fused_ok(params))
 
 
 def supervised_step(model, opt, sched, loss: torch.Tensor, max_norm: float = 1.0) -> float:

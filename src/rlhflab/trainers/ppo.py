@@ -389,6 +389,9 @@ class PPOTrainer(CheckpointedRun):
                     sync = k_micro == n_micro - 1
                     trained = [t for t in (self.train_policy, self.train_critic) if t is not None]
                     with accumulate(trained, sync):
+                        # A separate critic's graph is disjoint from the policy's: backward
+                        # each as soon as it is built, so only one model's activations are
+                        # alive at a time (same gradients, half the activation peak).
                         total, pg, pg_stats, vf, vf_stats = self._micro_loss(
                             ro, i, m, advantages, returns, beta, agg, seqs, attn, P
                         )
@@ -396,6 +399,12 @@ class PPOTrainer(CheckpointedRun):
                             finite = False
                             break
                         total.backward()
+                        if returns is not None and not cast.shared:
+                            vf, vf_stats = self._critic_loss(ro, i, m, returns, agg, seqs, attn, P)
+                            if not self.ctx.all_true(bool(torch.isfinite(vf))):
+                                finite = False
+                                break
+                            vf.backward()
                     share = m.sum().item() / n_tokens.item()
                     named = {
                         "policy/loss": pg.item(),
@@ -422,7 +431,8 @@ class PPOTrainer(CheckpointedRun):
         return out
 
     def _micro_loss(self, ro, i, m, advantages, returns, beta, agg, seqs, attn, P):
-        """Policy loss (+ KL-in-loss, − entropy bonus) and value loss of one micro-batch."""
+        """Policy loss (+ KL-in-loss, − entropy bonus) of one micro-batch, plus the value loss
+        when the values come from the policy's own backbone (shared layout)."""
         p, cast = self.cfg.ppo, self.cast
         lp, values, ent = policy_outputs(
             self.train_policy,
@@ -452,16 +462,18 @@ class PPOTrainer(CheckpointedRun):
         if p.entropy_coef > 0:
             loss = loss - p.entropy_coef * A.aggregate(ent, m, p.loss_agg, **agg)
         vf, vf_stats = torch.zeros((), device=lp.device), {}
-        if returns is not None:
-            if values is None:
-                values = self.train_critic(seqs[i], attn[i])[
-                    :, response_slice(P, ro.response_ids.shape[1])
-                ]
+        if returns is not None and cast.shared:
             vf, vf_stats = A.value_loss(
                 values, ro.values[i], returns[i], m, p.value_clip, p.loss_agg, **agg
             )
-        total = loss + (self.cfg.model.vf_coef if cast.shared else 1.0) * vf
+        total = loss + self.cfg.model.vf_coef * vf
         return total, pg, pg_stats, vf, vf_stats
+
+    def _critic_loss(self, ro, i, m, returns, agg, seqs, attn, P):
+        """Value loss of one micro-batch for a separate critic (its own forward)."""
+        p = self.cfg.ppo
+        values = self.train_critic(seqs[i], attn[i])[:, response_slice(P, ro.response_ids.shape[1])]
+        return A.value_loss(values, ro.values[i], returns[i], m, p.value_clip, p.loss_agg, **agg)
 
     def _trainable(self):
         params = [q for q in self.cast.policy.parameters() if q.requires_grad]
