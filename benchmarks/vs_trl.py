@@ -1,0 +1,428 @@
+"""rlhflab's PPO against Hugging Face TRL's on the same work, side by side (issue 7).
+
+TRL is never a dependency of rlhflab: ``--setup`` makes its own virtual environment with
+TRL 1.12.0 (the last release with ``trl.experimental.ppo.PPOTrainer``) and the *same* torch
+and transformers versions as ours. Both sides get the same locally built Llama-style
+policy/reference, reward and value models (value initialised from the reward model, as in
+TRL's examples), the same tokenizer and prompts, and the same work per iteration: 16
+rollouts, answers forced to full length (EOS is an ordinary token on both sides), 4 PPO
+epochs of one minibatch, k1 KL in the reward with β = 0.05, clip 0.2 / value clip 0.2,
+γ = 1, λ = 0.95, one learning rate, fp32, one torch thread. Each run is its own process;
+runs alternate A B A B. The first ``--warmup`` iterations are not timed.
+
+Reported per size: median and spread of seconds per iteration, generation tokens per
+second, peak resident memory (VmHWM of the worker), achieved GFLOP/s of useful work
+(counted below) against a one-thread fp32 matmul ceiling measured here, and the ratios.
+A second table runs rlhflab with the recommended levers (shared policy/value backbone,
+int8 reference and reward model). The last lines are ``time ratio <size>: X``,
+``memory ratio <size>: Y`` and ``time ratio 25M with levers: Z``.
+
+    python benchmarks/vs_trl.py --setup                 # once: TRL's own environment
+    python benchmarks/vs_trl.py                         # all sizes (~25 min on 2 cores)
+    python benchmarks/vs_trl.py --sizes 0.2M 4M --rounds 1
+
+Nothing here runs inside ``make test``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+TRL_VERSION = "1.12.0"
+ROLLOUTS, EPOCHS, KL_COEF, LR = 16, 4, 0.05, 3e-6
+# name → (hidden, intermediate, layers, heads, answer tokens); ~440-token vocabulary, tied
+SIZES = {
+    "0.2M": (64, 192, 3, 2, 32),
+    "4M": (256, 704, 5, 4, 64),
+    "25M": (512, 1408, 8, 8, 64),
+}
+
+
+# ---------------------------------------------------------------- set-up (our interpreter)
+def setup_trl_env(env: Path) -> Path:
+    """A venv with TRL 1.12.0 and our torch/transformers versions; returns its python."""
+    import torch
+    import transformers
+
+    py = env / "bin" / "python"
+    stamp = env / f".trl-{TRL_VERSION}"
+    if stamp.exists():
+        return py
+    subprocess.run([sys.executable, "-m", "venv", str(env)], check=True)
+    pins = [
+        f"torch=={torch.__version__.split('+')[0]}",
+        f"transformers=={transformers.__version__}",
+        f"trl=={TRL_VERSION}",
+    ]
+    subprocess.run([str(py), "-m", "pip", "install", "--quiet", *pins], check=True)
+    stamp.touch()
+    return py
+
+
+def build_models(size: str, folder: Path) -> Path:
+    """policy/, reward/ (one-label classifier, also the value model's start), prompts.jsonl."""
+    if (folder / "prompts.jsonl").exists():
+        return folder
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+
+    from rlhflab import tasks
+    from rlhflab.presets import build_tokenizer, default_corpus
+
+    hidden, inter, layers, heads, _ = SIZES[size]
+    tok = build_tokenizer(default_corpus())
+    cfg = dict(
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
+    torch.manual_seed(0)
+    for name, model in (
+        ("policy", LlamaForCausalLM(LlamaConfig(**cfg))),
+        ("reward", LlamaForSequenceClassification(LlamaConfig(**cfg, num_labels=1))),
+    ):
+        model.save_pretrained(folder / name)
+        tok.save_pretrained(folder / name)
+    rows = [{"prompt": ex.prompt} for ex in tasks.make_examples(512, seed=7)]
+    (folder / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+# ------------------------------------------------------------- workers (one process each)
+def _peak_rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def run_rlhflab(folder: Path, answer: int, iterations: int, levers: bool) -> dict:
+    import torch
+
+    torch.set_num_threads(1)
+    from rlhflab.config import load_config
+    from rlhflab.trainers.ppo import PPOTrainer
+
+    base = {
+        "device": "cpu",
+        "seed": 0,
+        "model": {"policy": str(folder / "policy"), "value_model": "from_reward"},
+        "reward": {"model": str(folder / "reward"), "normalize": "none", "clip": None},
+        "rollout": {
+            "prompts_per_iteration": ROLLOUTS,
+            "max_new_tokens": answer,
+            "ignore_eos": True,
+            "temperature": 1.0,
+        },
+        "ppo": {
+            "iterations": iterations,
+            "epochs": EPOCHS,
+            "minibatches": 1,
+            "lr": LR,
+            "critic_lr": LR,
+            "kl_coef": KL_COEF,
+            "kl_estimator": "k1",
+            "gamma": 1.0,
+            "lam": 0.95,
+            "whiten_rewards": False,
+        },
+        "data": {"prompts": str(folder / "prompts.jsonl")},
+        "log": {
+            "output_dir": str(folder / "run-rlhflab"),
+            "progress": False,
+            "sample_every": 10_000,
+            "checkpoint_every": 10_000,
+        },
+        "monitor": {"enabled": False},
+    }
+    if levers:
+        base["model"].update(
+            value_model="shared", reference_precision="int8", reward_precision="int8"
+        )
+    trainer = PPOTrainer(load_config(base=base))
+    ticks, gen = [], []
+    trainer.callbacks.append(
+        lambda t, ro, m: (
+            ticks.append(time.perf_counter()),
+            gen.append(m["response/tokens"] / m["time/generate"]),
+        )
+    )
+    start = time.perf_counter()
+    trainer.fit()
+    return {"start": start, "ticks": ticks, "gen_tps": gen, "peak_mib": _peak_rss_mib()}
+
+
+def run_trl(folder: Path, answer: int, iterations: int) -> dict:
+    import torch
+
+    torch.set_num_threads(1)
+    from datasets import Dataset
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+        TrainerCallback,
+    )
+    from trl.experimental.ppo import PPOConfig, PPOTrainer
+    from trl.experimental.ppo import ppo_trainer as trl_ppo
+
+    tok = AutoTokenizer.from_pretrained(folder / "policy", padding_side="left")
+    prompts = [
+        json.loads(x)["prompt"] for x in (folder / "prompts.jsonl").read_text().split("\n") if x
+    ]
+    ds = Dataset.from_dict(
+        {"input_ids": [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]}
+    )
+    args = PPOConfig(
+        output_dir=str(folder / "run-trl"),
+        per_device_train_batch_size=ROLLOUTS,
+        gradient_accumulation_steps=1,
+        num_mini_batches=1,
+        num_ppo_epochs=EPOCHS,
+        total_episodes=ROLLOUTS * iterations,
+        response_length=answer,
+        stop_token=None,  # full length, as rlhflab's rollout.ignore_eos
+        temperature=1.0,
+        kl_coef=KL_COEF,
+        kl_estimator="k1",
+        cliprange=0.2,
+        cliprange_value=0.2,
+        vf_coef=0.1,
+        gamma=1.0,
+        lam=0.95,
+        whiten_rewards=False,
+        learning_rate=LR,
+        local_rollout_forward_batch_size=ROLLOUTS,
+        num_sample_generations=0,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=10_000,
+        disable_tqdm=True,
+        seed=0,
+        bf16=False,
+        fp16=False,
+        use_cpu=True,
+    )
+    policy = AutoModelForCausalLM.from_pretrained(folder / "policy")
+    ref = AutoModelForCausalLM.from_pretrained(folder / "policy")
+    reward = AutoModelForSequenceClassification.from_pretrained(folder / "reward", num_labels=1)
+    value = AutoModelForSequenceClassification.from_pretrained(folder / "reward", num_labels=1)
+
+    gen, original = [], trl_ppo.batch_generation
+
+    def timed_generation(model, queries, *a, **kw):
+        t0 = time.perf_counter()
+        out = original(model, queries, *a, **kw)
+        new_tokens = out[0].shape[1] - queries.shape[1]
+        gen.append(queries.shape[0] * new_tokens / (time.perf_counter() - t0))
+        return out
+
+    trl_ppo.batch_generation = timed_generation
+    ticks = []
+
+    class Tick(TrainerCallback):
+        def on_step_end(self, *a, **kw):
+            ticks.append(time.perf_counter())
+
+    trainer = PPOTrainer(
+        args=args,
+        processing_class=tok,
+        model=policy,
+        ref_model=ref,
+        reward_model=reward,
+        train_dataset=ds,
+        value_model=value,
+        callbacks=[Tick()],
+    )
+    start = time.perf_counter()
+    trainer.train()
+    return {"start": start, "ticks": ticks, "gen_tps": gen, "peak_mib": _peak_rss_mib()}
+
+
+def worker_main(argv: list[str]) -> None:
+    side, folder, answer, iterations = argv[0], Path(argv[1]), int(argv[2]), int(argv[3])
+    if side == "trl":
+        out = run_trl(folder, answer, iterations)
+    else:
+        out = run_rlhflab(folder, answer, iterations, levers=side == "rlhflab-levers")
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+# ------------------------------------------------------------------ FLOPs and the ceiling
+def useful_flops(size: str, prompt_tokens: int, levers: bool = False) -> float:
+    """Matmul FLOPs one iteration cannot avoid (2 per multiply-add), both sides alike.
+
+    Per sequence of S = prompt + answer tokens: sampling (one policy forward over S),
+    reference forward, reward forward, old values (value forward), then each PPO epoch a
+    forward and backward (≈ 3 forwards) of policy and value model. The causal LM adds the
+    vocabulary projection; attention adds ≈ 2·2·h·S/2 per token and layer. With the levers
+    the value model is a head on the policy's backbone: its forward and backward vanish
+    (int8 matmuls of reference and reward are counted like fp32 ones).
+    """
+    hidden, inter, layers, _, answer = SIZES[size]
+    vocab, S = 440, prompt_tokens + answer
+    body = layers * (4 * hidden * hidden + 3 * hidden * inter + 2 * hidden * S)
+    lm, cls = 2 * (body + hidden * vocab), 2 * body
+    if levers:
+        per_seq = S * (lm + lm + cls + EPOCHS * 3 * lm)
+    else:
+        per_seq = S * (lm + lm + cls + cls + EPOCHS * 3 * (lm + cls))
+    return ROLLOUTS * per_seq
+
+
+def matmul_ceiling(size: str, prompt_tokens: int) -> float:
+    """GFLOP/s of one-thread fp32 matmuls with this size's MLP and head shapes."""
+    import torch
+
+    torch.set_num_threads(1)
+    hidden, inter, _, _, answer = SIZES[size]
+    rows = ROLLOUTS * (prompt_tokens + answer)
+    rates = []
+    for k, n in ((hidden, inter), (inter, hidden), (hidden, 440)):
+        a, b = torch.randn(rows, k), torch.randn(k, n)
+        a @ b
+        reps, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < 0.5:
+            a @ b
+            reps += 1
+        rates.append(2 * rows * k * n * reps / (time.perf_counter() - t0) / 1e9)
+    return max(rates)
+
+
+# ------------------------------------------------------------------------------ the driver
+def run_side(python: str, side: str, folder: Path, size: str, iterations: int) -> dict:
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    env["PYTHONPATH"] = str(HERE.parent / "src") if side != "trl" else ""
+    cmd = [
+        python,
+        str(Path(__file__).resolve()),
+        "--worker",
+        side,
+        str(folder),
+        str(SIZES[size][4]),
+        str(iterations),
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"{side} {size} failed:\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1][7:])
+
+
+def per_iteration(result: dict, warmup: int) -> list[float]:
+    ticks = [result["start"], *result["ticks"]]
+    return [b - a for a, b in zip(ticks[warmup:], ticks[warmup + 1 :])]
+
+
+def summarise(runs: list[dict], warmup: int) -> dict:
+    secs = [s for r in runs for s in per_iteration(r, warmup)]
+    gen = [g for r in runs for g in r["gen_tps"][warmup:]]
+    return {
+        "s_per_it": statistics.median(secs),
+        "spread": (min(secs), max(secs)),
+        "gen_tps": statistics.median(gen),
+        "peak_mib": max(r["peak_mib"] for r in runs),
+    }
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        return worker_main(sys.argv[2:])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    ap.add_argument("--iterations", type=int, default=10, help="timed iterations per run")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=2, help="A B rounds per size")
+    ap.add_argument("--no-levers", action="store_true", help="skip the levers table")
+    ap.add_argument("--work", default=str(HERE / ".vs_trl"), help="models, runs, TRL's venv")
+    ap.add_argument("--setup", action="store_true", help="only build TRL's environment")
+    args = ap.parse_args()
+    work = Path(args.work)
+    trl_py = str(setup_trl_env(work / f"trl-{TRL_VERSION}"))
+    if args.setup:
+        print(f"TRL {TRL_VERSION} environment ready: {trl_py}")
+        return
+    ours, total = sys.executable, args.warmup + args.iterations
+    results: dict[str, dict] = {}
+    for size in args.sizes:
+        folder = build_models(size, work / f"models-{size}")
+        runs: dict[str, list] = {"rlhflab": [], "trl": [], "rlhflab-levers": []}
+        for _ in range(args.rounds):  # A B A B
+            runs["rlhflab"].append(run_side(ours, "rlhflab", folder, size, total))
+            runs["trl"].append(run_side(trl_py, "trl", folder, size, total))
+            if not args.no_levers:
+                runs["rlhflab-levers"].append(run_side(ours, "rlhflab-levers", folder, size, total))
+        prompt_tokens = prompt_length(folder)
+        flops = useful_flops(size, prompt_tokens)
+        row = {k: summarise(v, args.warmup) for k, v in runs.items() if v}
+        for side, r in row.items():
+            work = useful_flops(size, prompt_tokens, levers=side == "rlhflab-levers")
+            r["gflops"] = work / r["s_per_it"] / 1e9
+        row["ceiling_gflops"] = matmul_ceiling(size, prompt_tokens)
+        row["flops_per_it"] = flops
+        results[size] = row
+        print(format_size(size, row), flush=True)
+    (work / "results.json").write_text(json.dumps(results, indent=2))
+    print()
+    for size, row in results.items():
+        print(f"time ratio {size}: {row['rlhflab']['s_per_it'] / row['trl']['s_per_it']:.3f}")
+        print(f"memory ratio {size}: {row['rlhflab']['peak_mib'] / row['trl']['peak_mib']:.3f}")
+    if "25M" in results and "rlhflab-levers" in results["25M"]:
+        r = results["25M"]
+        print(
+            f"time ratio 25M with levers: {r['rlhflab-levers']['s_per_it'] / r['trl']['s_per_it']:.3f}"
+        )
+
+
+def prompt_length(folder: Path) -> int:
+    """Mean prompt tokens (the batch pads to its longest; close enough for a FLOP count)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder / "policy")
+    rows = [
+        json.loads(x)["prompt"] for x in (folder / "prompts.jsonl").read_text().split("\n") if x
+    ]
+    return round(statistics.mean(len(tok(p, add_special_tokens=False)["input_ids"]) for p in rows))
+
+
+def format_size(size: str, row: dict) -> str:
+    lines = [
+        f"## {size}: {row['flops_per_it'] / 1e9:.1f} GFLOP of useful work per iteration, "
+        f"one-thread fp32 matmul ceiling {row['ceiling_gflops']:.0f} GFLOP/s",
+        "| side | s/iteration (median) | min–max | gen tokens/s | peak MiB | GFLOP/s |",
+        "| --- | ---: | --- | ---: | ---: | ---: |",
+    ]
+    for side in ("rlhflab", "trl", "rlhflab-levers"):
+        if side in row:
+            r = row[side]
+            lines.append(
+                f"| {side} | {r['s_per_it']:.3f} | {r['spread'][0]:.3f}–{r['spread'][1]:.3f} | "
+                f"{r['gen_tps']:.0f} | {r['peak_mib']:.0f} | {r['gflops']:.1f} |"
+            )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
