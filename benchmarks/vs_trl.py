@@ -378,8 +378,8 @@ def main() -> None:
         flops = useful_flops(size, prompt_tokens)
         row = {k: summarise(v, args.warmup) for k, v in runs.items() if v}
         for side, r in row.items():
-            work = useful_flops(size, prompt_tokens, levers=side == "rlhflab-levers")
-            r["gflops"] = work / r["s_per_it"] / 1e9
+            side_flops = useful_flops(size, prompt_tokens, levers=side == "rlhflab-levers")
+            r["gflops"] = side_flops / r["s_per_it"] / 1e9
         row["ceiling_gflops"] = matmul_ceiling(size, prompt_tokens)
         row["flops_per_it"] = flops
         results[size] = row
