@@ -13,18 +13,20 @@ import time
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
+from vs_trl import SIZES
 
 
 def main(reps: int = 5) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
+    hidden, inter, layers, heads, _ = SIZES["25M"]  # the policy of vs_trl.py's 25M size
     cfg = LlamaConfig(
         vocab_size=440,
-        hidden_size=512,
-        intermediate_size=1408,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=8,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
         tie_word_embeddings=True,
     )
     model = LlamaForCausalLM(cfg)

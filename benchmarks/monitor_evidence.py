@@ -28,9 +28,10 @@ from pathlib import Path
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    """rlhflab's log reader; a run without alerts has no alerts.jsonl at all."""
+    from rlhflab.runlog import read_jsonl as read
+
+    return read(path) if path.exists() else []
 
 
 def analyse(run: Path) -> dict:

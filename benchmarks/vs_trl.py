@@ -106,6 +106,8 @@ def build_models(size: str, folder: Path) -> Path:
 
 # ------------------------------------------------------------- workers (one process each)
 def _peak_rss_mib() -> float:
+    # rlhflab.memory.peak_rss_bytes reads the same line, but the TRL worker runs in TRL's
+    # venv, where rlhflab is not importable
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("VmHWM:"):

@@ -463,16 +463,17 @@ class PPOTrainer(CheckpointedRun):
             loss = loss - p.entropy_coef * A.aggregate(ent, m, p.loss_agg, **agg)
         vf, vf_stats = torch.zeros((), device=lp.device), {}
         if returns is not None and cast.shared:
-            vf, vf_stats = A.value_loss(
-                values, ro.values[i], returns[i], m, p.value_clip, p.loss_agg, **agg
-            )
+            vf, vf_stats = self._value_loss(values, ro, i, m, returns, agg)
         total = loss + self.cfg.model.vf_coef * vf
         return total, pg, pg_stats, vf, vf_stats
 
     def _critic_loss(self, ro, i, m, returns, agg, seqs, attn, P):
         """Value loss of one micro-batch for a separate critic (its own forward)."""
-        p = self.cfg.ppo
         values = self.train_critic(seqs[i], attn[i])[:, response_slice(P, ro.response_ids.shape[1])]
+        return self._value_loss(values, ro, i, m, returns, agg)
+
+    def _value_loss(self, values, ro, i, m, returns, agg):
+        p = self.cfg.ppo
         return A.value_loss(values, ro.values[i], returns[i], m, p.value_clip, p.loss_agg, **agg)
 
     def _trainable(self):
