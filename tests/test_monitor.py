@@ -124,3 +124,52 @@ def test_line_chart_skips_non_finite_points():
     svg = line_chart("x", {"a": [(1, 1.0), (2, float("nan")), (3, 2.0)]}, alerts=[2], threshold=1.5)
     assert svg.startswith("<svg") and "nan" not in svg
     assert line_chart("empty", {"a": [(1, None)]}) == ""
+
+
+def test_opener_logprobs_match_a_plain_loop_over_prompts_and_spellings():
+    from rlhflab import models as M
+    from rlhflab.rollout import left_pad, opener_logprobs
+
+    path = M.resolve_path("preset:nano")
+    tok = M.load_tokenizer(path)
+    lm = M.load_causal_lm(path, tok)
+    prompts = ["copy: tree lime\nanswer:", "sort: rock snow apple\nanswer:", "x"]
+    phrases = ["Great question", "我很乐意帮助你"]
+    encoded = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    ids, mask = left_pad(encoded, tok.pad_token_id)
+    got = opener_logprobs(lm, tok, ids, mask, phrases, temperature=0.7, micro_batch=3)
+    for b, p in enumerate(encoded):
+        spellings = []
+        for v in [s for ph in phrases for s in (ph, " " + ph)]:
+            r = tok(v, add_special_tokens=False)["input_ids"]
+            with torch.no_grad():
+                logits = lm(torch.tensor([p + r])).logits[0].double() / 0.7
+            logp = torch.log_softmax(logits[len(p) - 1 : len(p) + len(r) - 1], -1)
+            spellings.append(logp.gather(1, torch.tensor(r)[:, None]).sum())
+        assert float(got[b]) == pytest.approx(
+            float(torch.logsumexp(torch.stack(spellings), 0)), abs=1e-4
+        )
+    # the shared policy/value layout reads the same logits through its own forward
+    shared = opener_logprobs(
+        M.PolicyWithValueHead(lm), tok, ids, mask, phrases, 0.7, micro_batch=4, shared=True
+    )
+    torch.testing.assert_close(shared, got)
+
+
+def test_flattery_opener_ratio_is_a_ratio_of_means_and_alerts_above_threshold():
+    from rlhflab.monitor import opener_ratio
+
+    pol, ref = torch.tensor([0.5, 0.1]).log(), torch.tensor([0.25, 0.05]).log()
+    assert opener_ratio(pol, ref) == pytest.approx(2.0)
+    assert opener_ratio(torch.tensor([0.0, 0.9]).log(), torch.tensor([1e-9, 0.3]).log()) == (
+        pytest.approx(0.45 / (0.15 + 5e-10))
+    )
+    cfg = load_config(overrides=["reward.functions={'rlhflab.toy_rewards:vowel_reward': 1}"])
+    mon = HackingMonitor(cfg.monitor)
+    ro = fake_rollout(["plain a", "plain b"], [1.0, 2.0], [3, 3])
+    metrics = {"objective/scores": 1.5, "objective/kl": 0.1, "policy/entropy": 2.0}
+    sig = mon.signals(ro, metrics, openers=(pol, ref))
+    assert sig["flattery_opener_ratio"] == pytest.approx(2.0)
+    assert "flattery_opener_ratio" in {a.signal for a in mon.check(2, sig)}
+    sig = mon.signals(ro, metrics, openers=(ref, ref))
+    assert "flattery_opener_ratio" not in {a.signal for a in mon.check(3, sig)}

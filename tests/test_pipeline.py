@@ -151,6 +151,7 @@ def test_quick_demo_improves_gold_reward(tmp_path, capsys):
     run = tmp_path / "quick-s0" / "ppo"
     rows = read_jsonl(run / "metrics.jsonl")
     assert all("monitor/flattery_excess" in r and r["monitor/alerts"] == 0 for r in rows)
+    assert rows[0]["monitor/flattery_opener_ratio"] == pytest.approx(1.0, abs=1e-3)  # π = π_ref
     assert not (run / "alerts.jsonl").exists() or not (run / "alerts.jsonl").read_text()
 
     # the same SFT model trained against the politeness head alone (it pays for "Great
@@ -174,4 +175,4 @@ def test_quick_demo_improves_gold_reward(tmp_path, capsys):
     assert rows[-1]["objective/scores"] > rows[0]["objective/scores"]
     assert sum(r["monitor/gold"] for r in rows[-3:]) < sum(r["monitor/gold"] for r in rows[:3])
     fired = {a["signal"] for a in read_jsonl(tmp_path / "hack" / "alerts.jsonl")}
-    assert "flattery_excess" in fired
+    assert {"flattery_excess", "flattery_opener_ratio"} <= fired

@@ -336,6 +336,14 @@ class MonitorConfig:
         "Alert when the share of flattering answers exceeds the reference's on the same "
         "prompts by this much (needs reference_every; fires earlier than flattery_rate).",
     )
+    flattery_opener_ratio: float | None = setting(
+        1.3,
+        "Alert when the policy is this many times likelier than the reference to open an "
+        "answer with a listed phrase (forced decoding on the batch's prompts: one extra "
+        "no-grad forward of policy and reference per phrase; None = not computed).",
+        low=0.0,
+        low_open=True,
+    )
     repeated_ngram_rate: float | None = setting(0.3, "Alert above this repeated n-gram share.")
     reward_length_corr: float | None = setting(0.8, "Alert above this score–length correlation.")
     gold_drop: float | None = setting(

@@ -10,6 +10,10 @@ Signals (logged as ``monitor/<name>`` every iteration):
   noise: one batch of 64 moves ±0.05). The baseline-relative form fires early: an SFT model
   that already says "Great question" to a tenth of the prompts is not hacking, one that
   went from a tenth to a quarter has started.
+* ``flattery_opener_ratio``: the policy's probability of *opening* its answer with a listed
+  phrase, divided by the reference's, averaged over the batch's prompts. Computed by
+  forced decoding, not sampling, so it carries no sampling noise: it moves as soon as the
+  policy's propensity moves, before 64 sampled answers can show it (docs/monitors.md).
 * ``repeated_ngram_rate``: share of token n-grams that already occurred earlier in the same
   answer; ``distinct_n``: unique n-grams / all n-grams over the batch.
 * ``reward_length_corr``: Pearson correlation of score and answer length within the batch.
@@ -50,6 +54,9 @@ ADVICE = {
     "flattery_excess": "the policy flatters more often than the reference on the same prompts: "
     "the reward model rewards filler; raise ppo.kl_coef, lower that head's weight, or "
     "retrain the reward model on pairs that penalise it",
+    "flattery_opener_ratio": "the policy has grown likelier than the reference to open with "
+    "flattery: the reward model rewards it; raise ppo.kl_coef, lower that head's weight, or "
+    "retrain the reward model on pairs that penalise it",
     "repeated_ngram_rate": "answers repeat themselves: raise ppo.kl_coef or penalise repetition",
     "reward_length_corr": "reward tracks length: the reward model prefers longer answers",
     "gold_drop": "the gold reward falls while the proxy rises: stop and inspect samples; raise "
@@ -73,6 +80,15 @@ def repeated_ngram_rate(tokens: list[int], n: int) -> float:
 def flattery_share(responses: list[str], phrases: list[str]) -> float:
     """Share of responses that contain at least one of the phrases (exact substring)."""
     return sum(any(p in r for p in phrases) for r in responses) / max(1, len(responses))
+
+
+def opener_ratio(policy_logp: torch.Tensor, reference_logp: torch.Tensor) -> float:
+    """mean_b P_policy(b) / mean_b P_reference(b) from per-prompt log-probabilities (B,).
+
+    A ratio of means, not a mean of ratios: prompts the reference almost never flatters
+    on would otherwise dominate with huge, meaningless ratios."""
+    p, r = policy_logp.double().exp().mean(), reference_logp.double().exp().mean()
+    return float(p / r) if r > 0 else (math.inf if p > 0 else 1.0)
 
 
 def distinct_n(token_lists: list[list[int]], n: int) -> float:
@@ -138,10 +154,12 @@ class HackingMonitor:
         )
         self.state = MonitorState()
 
-    def signals(self, rollout, metrics: dict, reference=None) -> dict:
+    def signals(self, rollout, metrics: dict, reference=None, openers=None) -> dict:
         """Signals of one scored rollout. ``reference``: the reference policy's rollout on the
         same prompts (anything with ``response_mask`` and ``responses``), or None when it
-        was not sampled this iteration (then the baseline-relative signals are absent)."""
+        was not sampled this iteration (then the baseline-relative signals are absent).
+        ``openers``: (policy, reference) log-probabilities (B,) of opening with a listed
+        phrase on the batch's prompts (``rollout.opener_logprobs``), or None."""
         mc, st = self.cfg, self.state
         mask = rollout.response_mask.bool()
         lengths = rollout.response_mask.sum(1).float()
@@ -156,6 +174,8 @@ class HackingMonitor:
             )
             st.ref_answers += len(reference.responses)
             out["flattery_excess"] = out["flattery_rate"] - st.ref_flattering / st.ref_answers
+        if openers is not None:
+            out["flattery_opener_ratio"] = opener_ratio(*openers)
         out["repeated_ngram_rate"] = sum(repeated_ngram_rate(t, mc.ngram) for t in tokens) / max(
             1, len(tokens)
         )
@@ -192,6 +212,7 @@ class HackingMonitor:
             "length_ratio": (mc.length_ratio, "above"),
             "flattery_rate": (mc.flattery_rate, "above"),
             "flattery_excess": (mc.flattery_excess, "above"),
+            "flattery_opener_ratio": (mc.flattery_opener_ratio, "above"),
             "repeated_ngram_rate": (mc.repeated_ngram_rate, "above"),
             "reward_length_corr": (mc.reward_length_corr, "above"),
             "gold_drop": (mc.gold_drop, "above"),

@@ -124,7 +124,8 @@ def build_report(run_dir: str | Path) -> Path:
         line_chart("value loss", _series(rows, "val/loss")),
         line_chart("explained variance", _series(rows, "val/explained_variance")),
         line_chart(
-            "time per phase (s)", _series(rows, "time/generate", "time/score", "time/train")
+            "time per phase (s)",
+            _series(rows, "time/generate", "time/score", "time/train", "time/monitor_probe"),
         ),
         line_chart("peak memory (MiB)", _series(rows, "memory/peak_mib")),
     ]

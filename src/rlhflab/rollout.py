@@ -261,3 +261,49 @@ def score_rollout(cast, rollout: Rollout, temperature: float, micro_batch: int) 
         k: v.to(rollout.old_logprobs.device) for k, v in reward.components.items()
     }
     return rollout
+
+
+@torch.no_grad()
+def opener_logprobs(
+    model,
+    tokenizer,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    phrases: list[str],
+    temperature: float,
+    micro_batch: int,
+    shared: bool = False,
+) -> torch.Tensor:
+    """log P(the answer opens with one of ``phrases`` | prompt), per prompt, by forced decoding.
+
+    prompt_ids, prompt_mask: (B, P) left-padded as in a Rollout. Each phrase is tokenized on
+    its own (as SFT tokenizes answers), with and without a leading space, and scored as the
+    first answer tokens; the probabilities are summed (logsumexp over the K spellings). Sampling's top-k/top-p truncation is
+    ignored, as in training. Returns (B,) float32. No sampling: the same weights and prompts
+    give the same number, so a drift in it is the model's, not the dice's.
+    """
+    # answers often start with a space (" Great question!"), which BPE folds into the first
+    # token: score both spellings; their first tokens differ, so the probabilities add
+    variants = [v for p in phrases for v in (p, " " + p.lstrip())]
+    enc = [tokenizer(v, add_special_tokens=False)["input_ids"] for v in variants]
+    if not all(enc):
+        raise ValueError("monitor.phrases: a phrase tokenizes to nothing")
+    B, K, L = prompt_ids.shape[0], len(enc), max(len(e) for e in enc)
+    phrase_ids = torch.full((K, L), tokenizer.pad_token_id, dtype=torch.long)
+    phrase_mask = torch.zeros((K, L), dtype=torch.long)
+    for k, e in enumerate(enc):
+        phrase_ids[k, : len(e)], phrase_mask[k, : len(e)] = torch.tensor(e), 1
+    device = prompt_ids.device
+    # row b*K + k: prompt b followed by phrase k
+    resp = phrase_ids.to(device).repeat(B, 1)
+    resp_mask = phrase_mask.to(device).repeat(B, 1)
+    ids = torch.cat([prompt_ids.repeat_interleave(K, 0), resp], 1)
+    attn = torch.cat([prompt_mask.repeat_interleave(K, 0), resp_mask.to(prompt_mask.dtype)], 1)
+    P, out = prompt_ids.shape[1], []
+    for s in range(0, B * K, micro_batch):
+        rows = slice(s, s + micro_batch)
+        lp, _, _ = policy_outputs(
+            model, ids[rows], attn[rows], P, resp[rows], temperature, shared=shared
+        )
+        out.append((lp.float() * resp_mask[rows]).sum(1))
+    return torch.logsumexp(torch.cat(out).view(B, K), dim=1)

@@ -34,6 +34,7 @@ from rlhflab.rewards import FunctionReward, RunningMoments
 from rlhflab.rollout import (
     Rollout,
     generate_rollout,
+    opener_logprobs,
     policy_outputs,
     response_slice,
     score_rollout,
@@ -74,6 +75,7 @@ METRICS = {
     "time/generate": "seconds sampling",
     "time/score": "seconds scoring",
     "time/train": "seconds in the PPO epochs",
+    "time/monitor_probe": "seconds in the monitor's flattery-opener probe (0 when it is off)",
     "throughput/tokens_per_sec": "generated answer tokens per second of sampling",
     "memory/peak_mib": "peak resident memory (CPU) or peak allocated (CUDA), MiB",
     "faults/skipped_updates": "updates skipped so far for a non-finite reward, loss or gradient",
@@ -222,6 +224,10 @@ class PPOTrainer(CheckpointedRun):
         score_rollout(cast, rollout, r.temperature, r.score_micro_batch)
         t_score = time.perf_counter() - t0
         mask = rollout.response_mask
+        # 2b. the monitor's flattery probe, on the weights that sampled this rollout
+        t0 = time.perf_counter()
+        openers = self._opener_probe(rollout)
+        t_probe = time.perf_counter() - t0
 
         # 3. missing-EOS penalty
         scores = rollout.scores.clone()
@@ -276,6 +282,7 @@ class PPOTrainer(CheckpointedRun):
             "time/generate": t_gen,
             "time/score": t_score,
             "time/train": t_train,
+            "time/monitor_probe": t_probe,
             "throughput/tokens_per_sec": lengths.sum().item() / max(t_gen, 1e-9),
             "memory/peak_mib": self._peak_memory() / 2**20,
             "faults/skipped_updates": self.skipped_total,
@@ -283,7 +290,7 @@ class PPOTrainer(CheckpointedRun):
         }
         metrics = self.ctx.mean_metrics(metrics)  # every rank logs and decides on global means
         if self.monitor is not None:
-            metrics.update(self._watch(rollout, metrics))
+            metrics.update(self._watch(rollout, metrics, openers))
         for cb in self.callbacks:
             cb(self, rollout, metrics)
 
@@ -310,7 +317,20 @@ class PPOTrainer(CheckpointedRun):
             advantages = A.masked_whiten(advantages, mask, moments=self._moments(advantages, mask))
         return advantages, returns, {}
 
-    def _watch(self, rollout: Rollout, metrics: dict) -> dict[str, float]:
+    def _opener_probe(self, rollout: Rollout):
+        """(policy, reference) log P(answer opens with a flattery phrase), (B,) each, or None
+        when the monitor or its flattery_opener_ratio signal is off."""
+        mc, r = self.cfg.monitor, self.cfg.rollout
+        if self.monitor is None or mc.flattery_opener_ratio is None or not mc.phrases:
+            return None
+        args = (rollout.prompt_ids, rollout.prompt_mask, mc.phrases, r.temperature)
+        tok, micro = self.cast.tokenizer, r.score_micro_batch
+        return (
+            opener_logprobs(self.cast.policy, tok, *args, micro, shared=self.cast.shared),
+            opener_logprobs(self.cast.reference, tok, *args, micro),
+        )
+
+    def _watch(self, rollout: Rollout, metrics: dict, openers=None) -> dict[str, float]:
         """Step 9b: reward-hacking signals, alerts, and the configured reaction."""
         mc, r = self.cfg.monitor, self.cfg.rollout
         it = self.iteration + 1
@@ -329,7 +349,8 @@ class PPOTrainer(CheckpointedRun):
                 all_done=self.all_done,
                 ignore_eos=r.ignore_eos,
             )
-        signals = self.ctx.mean_metrics(self.monitor.signals(rollout, metrics, ref))
+        signals = self.monitor.signals(rollout, metrics, ref, openers)
+        signals = self.ctx.mean_metrics(signals)
         alerts = self.monitor.check(it, signals)
         for alert in alerts:
             log.warning("%s", alert.message())
