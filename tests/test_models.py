@@ -232,3 +232,31 @@ def test_ignore_eos_samples_full_length_even_when_eos_is_certain():
     resp, rmask, ended = sample(lm, ids, mask, 5, None, tok.pad_token_id, generator=gen)
     assert resp.shape == (3, 5) and (resp == eos).all()
     assert rmask.all() and not ended.any()  # EOS was an ordinary token: full length, no end
+
+
+def test_gradient_checkpointing_keeps_the_gradients(nano_rm):
+    from rlhflab.rollout import policy_outputs
+
+    cfg = load_config(
+        overrides=[
+            "model.policy=preset:nano",
+            f"reward.model={nano_rm}",
+            "model.value_model=from_reward",
+        ]
+    )
+    plain = build_cast(cfg)
+    cfg.model.gradient_checkpointing = True
+    ckpt = build_cast(cfg)
+    assert M.is_checkpointing(ckpt.policy) and M.is_checkpointing(ckpt.critic.model)
+    assert not M.is_checkpointing(plain.policy)
+    tok = plain.tokenizer
+    ids, mask = batch_ids(tok, ["copy: tree lime\nanswer: tree lime", "sort: b a\nanswer: a b"])
+    grads = []
+    for cast in (plain, ckpt):
+        cast.policy.train()
+        lp, _, _ = policy_outputs(cast.policy, ids, mask, 4, ids[:, 4:], 1.0)
+        cast.policy.zero_grad()
+        (lp * mask[:, 4:]).sum().backward()
+        grads.append([p.grad.clone() for p in cast.policy.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

@@ -145,6 +145,10 @@ def build_cast(cfg: Config, device: torch.device | None = None) -> ModelCast:
             rm = M.Offloaded(rm, device)
         elif mc.reward_precision != "int8":
             rm = rm.to(device)
+    if mc.gradient_checkpointing:
+        for model in (lm, critic):
+            if model is not None:
+                M.enable_gradient_checkpointing(model)
     policy = M.PolicyWithValueHead(lm) if layout == "shared" else lm
     policy.to(device).train()
     if critic is not None:

@@ -59,6 +59,12 @@ class ModelConfig:
         "Keep reference and reward model on the CPU; move each to the accelerator only for "
         "its forward pass. No effect on a CPU-only run.",
     )
+    gradient_checkpointing: bool = setting(
+        False,
+        "Recompute each decoder layer's activations in the backward pass instead of keeping "
+        "them (policy and a separate critic): less memory for about one more forward of "
+        "compute. TRL's GRPO/RLOO turn it on by default.",
+    )
     lora_r: int = setting(
         0,
         "LoRA rank for the policy (0 = full fine-tuning). With LoRA the reference is the base "

@@ -399,6 +399,29 @@ def make_reference(
     return ref.to(device) if precision != "int8" else ref
 
 
+def enable_gradient_checkpointing(model: nn.Module) -> nn.Module:
+    """Recompute decoder-layer activations in backward (transformers' own mechanism, the
+    non-reentrant torch.utils.checkpoint, which needs no input that requires grad, so LoRA
+    works too). It acts only in train mode: sampling (eval mode, KV cache) is unaffected."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ModelLoadError(
+            f"model.gradient_checkpointing: {type(model).__name__} does not support it"
+        )
+    # transformers >= 5.x renamed it (the old name warns); older releases only have the old
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def is_checkpointing(model: nn.Module) -> bool:
+    """Whether activation (gradient) checkpointing is on, under either transformers name."""
+    flag = getattr(type(model), "is_activation_checkpointing", None)
+    return bool(model.is_activation_checkpointing if flag else model.is_gradient_checkpointing)
+
+
 def apply_lora(lm: nn.Module, r: int, alpha: float, targets: list[str]):
     try:
         from peft import LoraConfig, get_peft_model
