@@ -38,6 +38,17 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 TRL_VERSION = "1.12.0"
 ROLLOUTS, EPOCHS, KL_COEF, LR = 16, 4, 0.05, 3e-6
+# every TRL run: fp32 on the CPU, seed 0, no logging, saving or progress bars
+TRL_COMMON = dict(
+    report_to="none",
+    save_strategy="no",
+    logging_steps=10_000,
+    disable_tqdm=True,
+    seed=0,
+    bf16=False,
+    fp16=False,
+    use_cpu=True,
+)
 # name → (hidden, intermediate, layers, heads, answer tokens); ~440-token vocabulary, tied
 SIZES = {
     "0.2M": (64, 192, 3, 2, 32),
@@ -158,7 +169,11 @@ def run_rlhflab(folder: Path, answer: int, iterations: int, levers: bool) -> dic
         base["model"].update(
             value_model="shared", reference_precision="int8", reward_precision="int8"
         )
-    trainer = PPOTrainer(load_config(base=base))
+    return timed_fit(PPOTrainer(load_config(base=base)))
+
+
+def timed_fit(trainer) -> dict:
+    """Train an rlhflab trainer, noting when each iteration ends and its sampling speed."""
     ticks, gen = [], []
     trainer.callbacks.append(
         lambda t, ro, m: (
@@ -213,14 +228,7 @@ def run_trl(folder: Path, answer: int, iterations: int) -> dict:
         learning_rate=LR,
         local_rollout_forward_batch_size=ROLLOUTS,
         num_sample_generations=0,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=10_000,
-        disable_tqdm=True,
-        seed=0,
-        bf16=False,
-        fp16=False,
-        use_cpu=True,
+        **TRL_COMMON,
     )
     policy = AutoModelForCausalLM.from_pretrained(folder / "policy")
     ref = AutoModelForCausalLM.from_pretrained(folder / "policy")

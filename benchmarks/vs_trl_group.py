@@ -93,17 +93,7 @@ def run_rlhflab(folder: Path, answer: int, iterations: int, algo: str) -> dict:
         },
         "monitor": {"enabled": False},
     }
-    trainer = GRPOTrainer(load_config(base=cfg, stage=algo), None, algo)
-    ticks, gen = [], []
-    trainer.callbacks.append(
-        lambda t, ro, m: (
-            ticks.append(time.perf_counter()),
-            gen.append(m["response/tokens"] / m["time/generate"]),
-        )
-    )
-    start = time.perf_counter()
-    trainer.fit()
-    return {"start": start, "ticks": ticks, "gen_tps": gen, "peak_mib": base._peak_rss_mib()}
+    return base.timed_fit(GRPOTrainer(load_config(base=cfg, stage=algo), None, algo))
 
 
 def run_trl(folder: Path, answer: int, iterations: int, algo: str) -> dict:
@@ -145,14 +135,7 @@ def run_trl(folder: Path, answer: int, iterations: int, algo: str) -> dict:
         learning_rate=LR,
         max_steps=iterations,
         lr_scheduler_type="constant",
-        report_to="none",
-        save_strategy="no",
-        logging_steps=10_000,
-        disable_tqdm=True,
-        seed=0,
-        bf16=False,
-        fp16=False,
-        use_cpu=True,
+        **base.TRL_COMMON,
         **extra,
     )
     reward = AutoModelForSequenceClassification.from_pretrained(folder / "reward", num_labels=1)
