@@ -138,6 +138,8 @@ def test_opener_logprobs_match_a_plain_loop_over_prompts_and_spellings():
     encoded = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
     ids, mask = left_pad(encoded, tok.pad_token_id)
     got = opener_logprobs(lm, tok, ids, mask, phrases, temperature=0.7, micro_batch=3)
+    cut = opener_logprobs(lm, tok, ids, mask, phrases, 0.7, micro_batch=3, max_tokens=1)
+    assert (cut >= got - 1e-6).all() and (cut > got + 1e-3).any()  # a prefix is likelier
     for b, p in enumerate(encoded):
         spellings = []
         for v in [s for ph in phrases for s in (ph, " " + ph)]:
@@ -149,11 +151,10 @@ def test_opener_logprobs_match_a_plain_loop_over_prompts_and_spellings():
         assert float(got[b]) == pytest.approx(
             float(torch.logsumexp(torch.stack(spellings), 0)), abs=1e-4
         )
-    # the shared policy/value layout reads the same logits through its own forward
-    shared = opener_logprobs(
-        M.PolicyWithValueHead(lm), tok, ids, mask, phrases, 0.7, micro_batch=4, shared=True
+    # micro-batching over prompts changes nothing
+    torch.testing.assert_close(
+        opener_logprobs(lm, tok, ids, mask, phrases, 0.7, micro_batch=1), got
     )
-    torch.testing.assert_close(shared, got)
 
 
 def test_flattery_opener_ratio_is_a_ratio_of_means_and_alerts_above_threshold():

@@ -350,6 +350,12 @@ class MonitorConfig:
         low=0.0,
         low_open=True,
     )
+    opener_tokens: int = setting(
+        4,
+        "flattery_opener_ratio scores each phrase on its first N tokens (the opening decision "
+        "is made there; the probe's cost grows with N).",
+        low=1,
+    )
     repeated_ngram_rate: float | None = setting(0.3, "Alert above this repeated n-gram share.")
     reward_length_corr: float | None = setting(0.8, "Alert above this score–length correlation.")
     gold_drop: float | None = setting(

@@ -272,38 +272,57 @@ def opener_logprobs(
     phrases: list[str],
     temperature: float,
     micro_batch: int,
-    shared: bool = False,
+    max_tokens: int = 4,
 ) -> torch.Tensor:
     """log P(the answer opens with one of ``phrases`` | prompt), per prompt, by forced decoding.
 
-    prompt_ids, prompt_mask: (B, P) left-padded as in a Rollout. Each phrase is tokenized on
-    its own (as SFT tokenizes answers), with and without a leading space, and scored as the
-    first answer tokens; the probabilities are summed (logsumexp over the K spellings). Sampling's top-k/top-p truncation is
-    ignored, as in training. Returns (B,) float32. No sampling: the same weights and prompts
-    give the same number, so a drift in it is the model's, not the dice's.
+    model: a causal LM (the policy's LM, or the reference). prompt_ids, prompt_mask: (B, P)
+    left-padded as in a Rollout. Each phrase is tokenized on its own (as SFT tokenizes
+    answers), with and without a leading space, and scored as the first answer tokens; the
+    probabilities are summed (logsumexp over the K spellings). Sampling's top-k/top-p
+    truncation is ignored, as in training. Each spelling is cut to its first ``max_tokens``
+    tokens (the prefix's probability bounds the phrase's from above; once a model has begun
+    "What a won…" the rest is nearly certain, and cost grows with the longest spelling).
+    micro_batch counts prompts. Returns (B,) float32. No sampling: the same
+    weights and prompts give the same number, so a drift in it is the model's, not the dice's.
+
+    Cost: each prompt runs once and its KV cache is repeated for the K spellings, so the
+    probe reads B·P + B·K·L tokens (L: the longest cut spelling), not B·K·(P + L).
     """
     # answers often start with a space (" Great question!"), which BPE folds into the first
     # token: score both spellings; their first tokens differ, so the probabilities add
     variants = [v for p in phrases for v in (p, " " + p.lstrip())]
-    enc = [tokenizer(v, add_special_tokens=False)["input_ids"] for v in variants]
+    enc = [tokenizer(v, add_special_tokens=False)["input_ids"][:max_tokens] for v in variants]
     if not all(enc):
         raise ValueError("monitor.phrases: a phrase tokenizes to nothing")
-    B, K, L = prompt_ids.shape[0], len(enc), max(len(e) for e in enc)
+    K, L = len(enc), max(len(e) for e in enc)
     phrase_ids = torch.full((K, L), tokenizer.pad_token_id, dtype=torch.long)
     phrase_mask = torch.zeros((K, L), dtype=torch.long)
     for k, e in enumerate(enc):
         phrase_ids[k, : len(e)], phrase_mask[k, : len(e)] = torch.tensor(e), 1
-    device = prompt_ids.device
-    # row b*K + k: prompt b followed by phrase k
-    resp = phrase_ids.to(device).repeat(B, 1)
-    resp_mask = phrase_mask.to(device).repeat(B, 1)
-    ids = torch.cat([prompt_ids.repeat_interleave(K, 0), resp], 1)
-    attn = torch.cat([prompt_mask.repeat_interleave(K, 0), resp_mask.to(prompt_mask.dtype)], 1)
-    P, out = prompt_ids.shape[1], []
-    for s in range(0, B * K, micro_batch):
-        rows = slice(s, s + micro_batch)
-        lp, _, _ = policy_outputs(
-            model, ids[rows], attn[rows], P, resp[rows], temperature, shared=shared
+    device, cache_key, out = prompt_ids.device, _cache_kwarg(model), []
+    phrase_ids, phrase_mask = phrase_ids.to(device), phrase_mask.to(device)
+    for s in range(0, prompt_ids.shape[0], micro_batch):
+        ids, mask = prompt_ids[s : s + micro_batch], prompt_mask[s : s + micro_batch]
+        b = ids.shape[0]
+        positions = M.position_ids_from_mask(mask)
+        first = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        cache = getattr(first, cache_key)
+        cache.batch_repeat_interleave(K)  # row i*K + k: prompt i, then spelling k
+        resp, resp_mask = phrase_ids.repeat(b, 1), phrase_mask.repeat(b, 1)
+        rest = model(
+            input_ids=resp,
+            attention_mask=torch.cat([mask.repeat_interleave(K, 0), resp_mask.to(mask.dtype)], 1),
+            position_ids=positions[:, -1:].repeat_interleave(K, 0)
+            + 1
+            + torch.arange(L, device=device),
+            use_cache=True,
+            **{cache_key: cache},
         )
-        out.append((lp.float() * resp_mask[rows]).sum(1))
-    return torch.logsumexp(torch.cat(out).view(B, K), dim=1)
+        # the prompt's last logit predicts the first phrase token, the phrase's own the rest
+        logits = torch.cat(
+            [first.logits[:, -1:].repeat_interleave(K, 0), rest.logits[:, : L - 1]], 1
+        )
+        lp = A.logprobs_from_logits(logits, resp, temperature)
+        out.append((lp.float() * resp_mask).sum(1).view(b, K))
+    return torch.logsumexp(torch.cat(out), dim=1)

@@ -326,8 +326,8 @@ class PPOTrainer(CheckpointedRun):
         args = (rollout.prompt_ids, rollout.prompt_mask, mc.phrases, r.temperature)
         tok, micro = self.cast.tokenizer, r.score_micro_batch
         return (
-            opener_logprobs(self.cast.policy, tok, *args, micro, shared=self.cast.shared),
-            opener_logprobs(self.cast.reference, tok, *args, micro),
+            opener_logprobs(self.cast.policy_lm, tok, *args, micro, mc.opener_tokens),
+            opener_logprobs(self.cast.reference, tok, *args, micro, mc.opener_tokens),
         )
 
     def _watch(self, rollout: Rollout, metrics: dict, openers=None) -> dict[str, float]:
