@@ -151,6 +151,9 @@ def test_opener_logprobs_match_a_plain_loop_over_prompts_and_spellings():
         assert float(got[b]) == pytest.approx(
             float(torch.logsumexp(torch.stack(spellings), 0)), abs=1e-4
         )
+    # the same opening listed twice (with its space, or alike in the kept tokens) counts once
+    again = opener_logprobs(lm, tok, ids, mask, [*phrases, " Great question"], 0.7, 3)
+    torch.testing.assert_close(again, got)
     # micro-batching over prompts changes nothing
     torch.testing.assert_close(
         opener_logprobs(lm, tok, ids, mask, phrases, 0.7, micro_batch=1), got

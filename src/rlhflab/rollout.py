@@ -292,7 +292,12 @@ def opener_logprobs(
     # answers often start with a space (" Great question!"), which BPE folds into the first
     # token: score both spellings; their first tokens differ, so the probabilities add
     variants = [v for p in phrases for v in (p, " " + p.lstrip())]
-    enc = [tokenizer(v, add_special_tokens=False)["input_ids"][:max_tokens] for v in variants]
+    cut = [
+        tuple(tokenizer(v, add_special_tokens=False)["input_ids"][:max_tokens]) for v in variants
+    ]
+    # a phrase given with its leading space, or two phrases alike in their first tokens,
+    # would otherwise count the same opening twice
+    enc = list(dict.fromkeys(cut))
     if not all(enc):
         raise ValueError("monitor.phrases: a phrase tokenizes to nothing")
     K, L = len(enc), max(len(e) for e in enc)
