@@ -16,6 +16,7 @@ from torch import nn
 
 from rlhflab import models as M
 from rlhflab.config import Config
+from rlhflab.lean import make_activations_lean
 from rlhflab.rewards import CompositeReward, FunctionReward, ModelReward
 
 log = logging.getLogger(__name__)
@@ -133,6 +134,10 @@ def build_cast(cfg: Config, device: torch.device | None = None) -> ModelCast:
             )
         critic = M.critic_from_causal_lm(critic_path, tokenizer, mc.trust_remote_code)
 
+    if mc.lean_activations:  # before LoRA and the reference copy: same modules everywhere
+        for model in (lm, critic):
+            if model is not None:
+                make_activations_lean(model)
     if mc.lora_r > 0:
         lm = M.apply_lora(lm, mc.lora_r, mc.lora_alpha, mc.lora_targets)
     reference = M.make_reference(lm, mc.reference_precision, mc.offload_frozen, device)

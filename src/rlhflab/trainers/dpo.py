@@ -25,6 +25,7 @@ from rlhflab import models as M
 from rlhflab.config import Config
 from rlhflab.configbase import to_dict
 from rlhflab.data import load_preferences
+from rlhflab.lean import make_activations_lean
 from rlhflab.runlog import RunLog
 from rlhflab.trainers.common import (
     TrainingHalted,
@@ -63,6 +64,8 @@ class DPOTrainer:
         path = M.resolve_path(cfg.model.policy, "model.policy")
         self.tokenizer = M.load_tokenizer(path, cfg.model.trust_remote_code)
         lm = M.load_causal_lm(path, self.tokenizer, cfg.model.trust_remote_code)
+        if cfg.model.lean_activations:
+            make_activations_lean(lm)
         if cfg.model.lora_r:
             lm = M.apply_lora(lm, cfg.model.lora_r, cfg.model.lora_alpha, cfg.model.lora_targets)
         self.policy = lm.to(self.device).train()

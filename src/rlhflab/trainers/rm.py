@@ -20,6 +20,7 @@ from rlhflab import models as M
 from rlhflab import tasks
 from rlhflab.config import Config, ConfigError
 from rlhflab.data import DataError, PreferencePair, load_preferences
+from rlhflab.lean import make_activations_lean
 from rlhflab.rewards import last_real_index
 from rlhflab.trainers.common import (
     build_optimizer_simple,
@@ -141,6 +142,8 @@ def train_rm(cfg: Config) -> dict:
         .to(device)
         .train()
     )
+    if cfg.model.lean_activations:
+        make_activations_lean(model)
     model.config.id2label = dict(enumerate(heads))
     model.config.label2id = {h: i for i, h in enumerate(heads)}
     pairs = load_preferences(r.data) if r.data else builtin_pairs(cfg)

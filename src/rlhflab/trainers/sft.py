@@ -18,6 +18,7 @@ from rlhflab import models as M
 from rlhflab import tasks
 from rlhflab.config import Config
 from rlhflab.data import DataError, iter_rows
+from rlhflab.lean import make_activations_lean
 from rlhflab.trainers.common import (
     build_optimizer_simple,
     build_scheduler,
@@ -85,6 +86,8 @@ def train_sft(cfg: Config) -> dict:
     path = M.resolve_path(cfg.model.policy, "model.policy")
     tokenizer = M.load_tokenizer(path, cfg.model.trust_remote_code)
     model = M.load_causal_lm(path, tokenizer, cfg.model.trust_remote_code).to(device).train()
+    if cfg.model.lean_activations:
+        make_activations_lean(model)
     pairs = load_sft_pairs(s.data) if s.data else builtin_sft_pairs(s.examples, cfg.seed)
     opt = build_optimizer_simple(model.parameters(), s.lr)
     sched = build_scheduler(opt, s.warmup_steps, s.steps, "cosine")
