@@ -1,5 +1,7 @@
 """GRPO, RLOO and DPO on the shared infrastructure (nano/tiny presets, seconds each)."""
 
+import math
+
 import pytest
 import torch
 
@@ -61,6 +63,37 @@ def test_grpo_resume_is_bit_identical(tmp_path):
     assert strip(read_jsonl(tmp_path / "a" / "metrics.jsonl")) == strip(
         read_jsonl(tmp_path / "b" / "metrics.jsonl")
     )
+
+
+def test_reused_training_forward_replaces_the_scoring_forward(tmp_path):
+    """μ = 1 GRPO: old log-probs from the training forward (one policy forward fewer per
+    iteration) give the update and the metrics a scoring forward gives."""
+    runs = {}
+    for reuse in (True, False):
+        over = ["ppo.epochs=1", "ppo.minibatches=1", "ppo.iterations=3"]
+        t = GRPOTrainer(
+            grpo_cfg(tmp_path, *over, f"ppo.reuse_training_forward={reuse}", out=str(reuse))
+        )
+        calls, seen = [], [0]  # policy-LM forwards per iteration
+        t.cast.policy_lm.register_forward_hook(
+            lambda *a, seen=seen: seen.__setitem__(0, seen[0] + 1)
+        )
+        t.callbacks.append(
+            lambda *a, seen=seen, calls=calls: (calls.append(seen[0]), seen.clear(), seen.append(0))
+        )
+        t.fit()
+        runs[reuse] = (t, calls, read_jsonl(tmp_path / str(reuse) / "metrics.jsonl"))
+    (t_on, calls_on, rows_on), (t_off, calls_off, rows_off) = runs[True], runs[False]
+    assert t_on._reuse_training_forward() and not t_off._reuse_training_forward()
+    # sampling (a prefill and 7 cached steps), [scoring], training; opener probe off
+    scoring = math.ceil(16 / t_off.cfg.rollout.score_micro_batch)
+    assert [b - a for a, b in zip(calls_on, calls_off)] == [scoring] * 3, (calls_on, calls_off)
+    assert t_on.first_minibatch["policy/ratio_max"] == 1.0  # exactly: old = this forward
+    for a, b in zip(t_on.cast.policy.parameters(), t_off.cast.policy.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for row_on, row_off in zip(rows_on, rows_off):
+        for key in ("objective/kl", "objective/entropy", "policy/entropy", "objective/scores"):
+            assert row_on[key] == pytest.approx(row_off[key], rel=1e-4, abs=1e-6), key
 
 
 def test_grpo_config_errors_name_the_field(tmp_path):

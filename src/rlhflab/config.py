@@ -171,6 +171,13 @@ class PPOConfig:
         "minibatch the ratio is always 1 and clipping never binds.",
         low=1,
     )
+    reuse_training_forward: bool = setting(
+        True,
+        "With 1 epoch of 1 minibatch, no value model and the KL in the loss (GRPO/RLOO as "
+        "usually run), the training forward is the first forward on the sampling weights: "
+        "take the old log-probs and entropy from it (ratio exactly 1) instead of a separate "
+        "no-grad policy forward while scoring, as TRL does. Ignored in every other case.",
+    )
     micro_batch_size: int | None = setting(
         None,
         "Gradient-accumulation chunk (sequences); None = the whole minibatch. Results do "

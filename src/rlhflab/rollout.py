@@ -208,11 +208,13 @@ def policy_outputs(
     temperature,
     with_entropy=False,
     shared: bool | None = None,
+    entropy_grad: bool = True,
 ):
     """Log-probs (B, T), values (B, T) or None, entropy (B, T) or None from one forward.
 
     ``shared`` says the policy returns (logits, values); by default it is read off the
-    module, which a DDP wrapper hides."""
+    module, which a DDP wrapper hides. ``entropy_grad=False`` computes the entropy from
+    detached logits (a metric only: no graph kept for it)."""
     T = response_ids.shape[1]
     keep = T + 1  # logits of positions P-1 .. P+T-1; the last one predicts past the answer
     if shared is None:
@@ -224,42 +226,68 @@ def policy_outputs(
         logits, values = M.causal_forward(policy, seqs, mask, keep_last=keep).logits, None
     logits = logits[:, :T]
     logprobs = A.logprobs_from_logits(logits, response_ids, temperature)
-    entropy = A.entropy_from_logits(logits, temperature) if with_entropy else None
+    entropy = None
+    if with_entropy:
+        entropy = A.entropy_from_logits(logits if entropy_grad else logits.detach(), temperature)
     return logprobs, values, entropy
 
 
 @torch.no_grad()
-def score_rollout(cast, rollout: Rollout, temperature: float, micro_batch: int) -> Rollout:
+def score_rollout(
+    cast, rollout: Rollout, temperature: float, micro_batch: int, policy_forward: bool = True
+) -> Rollout:
     """Fill old/ref log-probs, values, entropy and scores, micro-batched, without gradients.
 
     One forward of the policy (logits and, with a shared backbone, values), one of the
     reference, one of the critic (if separate), one of the reward model.
+    ``policy_forward=False`` leaves old_logprobs and entropy None: the training forward will
+    supply them (``ppo.reuse_training_forward``).
     """
+    if not policy_forward and cast.shared:
+        raise ValueError("score_rollout: a shared backbone's values need the policy forward")
     seqs, mask = rollout.sequences, rollout.attention_mask
     P = rollout.prompt_ids.shape[1]
-    parts: dict[str, list] = {"old": [], "ref": [], "val": [], "ent": []}
+    if policy_forward:
+        score_policy(cast.policy, rollout, temperature, micro_batch)
+    parts: dict[str, list] = {"ref": [], "val": []}
     for s in range(0, len(rollout), micro_batch):
         ids, am = seqs[s : s + micro_batch], mask[s : s + micro_batch]
         resp = rollout.response_ids[s : s + micro_batch]
-        lp, values, ent = policy_outputs(cast.policy, ids, am, P, resp, temperature, True)
         T = resp.shape[1]
         ref_logits = M.causal_forward(cast.reference, ids, am, keep_last=T + 1).logits
-        ref_lp = A.logprobs_from_logits(ref_logits[:, :T], resp, temperature)
-        if values is None and cast.critic_values is not None:
-            values = cast.critic_values(ids, am)[:, response_slice(P, resp.shape[1])]
+        parts["ref"].append(A.logprobs_from_logits(ref_logits[:, :T], resp, temperature))
+        if cast.critic_values is not None:
+            parts["val"].append(cast.critic_values(ids, am)[:, response_slice(P, T)])
+    device = rollout.response_ids.device
+    rollout.ref_logprobs = torch.cat(parts["ref"]).to(device)
+    if cast.critic_values is not None:
+        rollout.values = torch.cat(parts["val"])
+    elif not cast.has_values:
+        rollout.values = None
+    reward = cast.reward(RewardBatch(rollout.prompts, rollout.responses, seqs, mask))
+    rollout.scores = reward.score.to(device)
+    rollout.components = {k: v.to(device) for k, v in reward.components.items()}
+    return rollout
+
+
+@torch.no_grad()
+def score_policy(policy, rollout: Rollout, temperature: float, micro_batch: int) -> Rollout:
+    """The policy's part of scoring: old log-probs, full-distribution entropy and, with a
+    shared backbone, the values, micro-batched, without gradients."""
+    seqs, mask = rollout.sequences, rollout.attention_mask
+    P = rollout.prompt_ids.shape[1]
+    parts: dict[str, list] = {"old": [], "val": [], "ent": []}
+    for s in range(0, len(rollout), micro_batch):
+        ids, am = seqs[s : s + micro_batch], mask[s : s + micro_batch]
+        resp = rollout.response_ids[s : s + micro_batch]
+        lp, values, ent = policy_outputs(policy, ids, am, P, resp, temperature, True)
         parts["old"].append(lp)
-        parts["ref"].append(ref_lp)
         parts["val"].append(values)
         parts["ent"].append(ent)
     rollout.old_logprobs = torch.cat(parts["old"])
-    rollout.ref_logprobs = torch.cat(parts["ref"]).to(rollout.old_logprobs.device)
-    rollout.values = torch.cat(parts["val"]) if cast.has_values else None
     rollout.entropy = torch.cat(parts["ent"])
-    reward = cast.reward(RewardBatch(rollout.prompts, rollout.responses, seqs, mask))
-    rollout.scores = reward.score.to(rollout.old_logprobs.device)
-    rollout.components = {
-        k: v.to(rollout.old_logprobs.device) for k, v in reward.components.items()
-    }
+    if parts["val"][0] is not None:  # shared backbone
+        rollout.values = torch.cat(parts["val"])
     return rollout
 
 

@@ -11,7 +11,6 @@ Every implementation detail is a field of :class:`rlhflab.config.Config`; the ma
 from __future__ import annotations
 
 import logging
-import math
 import random
 import time
 from pathlib import Path
@@ -22,7 +21,6 @@ from rlhflab import algorithms as A
 from rlhflab.cast import ModelCast, build_cast
 from rlhflab.config import Config, ConfigError
 from rlhflab.distributed import (
-    accumulate,
     global_moments,
     init_distributed,
     shard,
@@ -35,16 +33,15 @@ from rlhflab.rollout import (
     Rollout,
     generate_rollout,
     opener_logprobs,
-    policy_outputs,
-    response_slice,
+    score_policy,
     score_rollout,
 )
 from rlhflab.trainers.common import (
-    TrainingHalted,
     build_optimizer,
     build_scheduler,
     load_prompt_set,
 )
+from rlhflab.trainers.ppo_epochs import PPOEpochs
 from rlhflab.trainers.runstate import CheckpointedRun
 
 log = logging.getLogger(__name__)
@@ -83,7 +80,7 @@ METRICS = {
 }
 
 
-class PPOTrainer(CheckpointedRun):
+class PPOTrainer(PPOEpochs, CheckpointedRun):
     def __init__(self, cfg: Config, cast: ModelCast | None = None):
         self.cfg = cfg
         random.seed(cfg.seed)
@@ -145,6 +142,7 @@ class PPOTrainer(CheckpointedRun):
         self.iteration = 0
         self.run_dir = Path(cfg.log.output_dir)
         self.first_minibatch: dict[str, float] | None = None
+        self.reuse_filled: torch.Tensor | None = None  # step 8 filling old log-probs
         self.callbacks: list = []  # called as cb(trainer, rollout, metrics) after step 9
         self.stop_reason: str | None = None
         self._check_batch()
@@ -221,7 +219,8 @@ class PPOTrainer(CheckpointedRun):
 
         # 2. score: old and reference log-probs, values, reward
         t0 = time.perf_counter()
-        score_rollout(cast, rollout, r.temperature, r.score_micro_batch)
+        reuse = self._reuse_training_forward()  # old log-probs then come from step 8
+        score_rollout(cast, rollout, r.temperature, r.score_micro_batch, not reuse)
         t_score = time.perf_counter() - t0
         mask = rollout.response_mask
         # 2b. the monitor's flattery probe, on the weights that sampled this rollout
@@ -240,8 +239,9 @@ class PPOTrainer(CheckpointedRun):
 
         # 5.–7. KL shaping, advantages (GAE for PPO; group baselines for GRPO/RLOO), whitening
         beta = self.kl_ctl.value
-        kl = A.kl_estimate(rollout.old_logprobs, rollout.ref_logprobs, p.kl_estimator)
-        kl = torch.where(mask.bool(), kl, torch.zeros_like(kl))
+        # with the KL in the loss it takes no part in the advantages (zeros stand in for it
+        # until step 8 has the old log-probs)
+        kl = torch.zeros_like(rollout.ref_logprobs) if reuse else self._token_kl(rollout)
         in_reward = p.kl_placement == "reward"
         advantages, returns, adv_stats = self.advantages(rollout, scores, kl, beta)
 
@@ -252,6 +252,11 @@ class PPOTrainer(CheckpointedRun):
         else:
             train_stats = {}
             self._bad_update("reward", int((~torch.isfinite(raw_scores)).sum()))
+        if reuse:
+            if rollout.old_logprobs is None or not self.reuse_filled.all():
+                # an update skipped for a non-finite value: score the way step 2 would have
+                score_policy(cast.policy, rollout, r.temperature, r.score_micro_batch)
+            kl = self._token_kl(rollout)
         t_train = time.perf_counter() - t0
 
         # 9. metrics
@@ -298,6 +303,24 @@ class PPOTrainer(CheckpointedRun):
         self.kl_ctl.update(metrics["objective/kl"], len(rollout) * self.ctx.world)
         self._last_rollout = rollout
         return metrics
+
+    def _token_kl(self, rollout: Rollout) -> torch.Tensor:
+        """Per-token KL estimate (B, T) of the old policy to the reference, 0 on padding."""
+        kl = A.kl_estimate(rollout.old_logprobs, rollout.ref_logprobs, self.cfg.ppo.kl_estimator)
+        return torch.where(rollout.response_mask.bool(), kl, torch.zeros_like(kl))
+
+    def _reuse_training_forward(self) -> bool:
+        """Whether step 8's forward can supply the old log-probs (ppo.reuse_training_forward):
+        one update on the sampling weights, no values needed for the advantages, and no KL
+        in the reward (which would need the old log-probs before the advantages)."""
+        p = self.cfg.ppo
+        return (
+            p.reuse_training_forward
+            and p.epochs == 1
+            and p.minibatches == 1
+            and p.kl_placement == "loss"
+            and not self.cast.has_values
+        )
 
     def next_prompts(self) -> list[str]:
         return self.stream.next_batch()
@@ -379,171 +402,6 @@ class PPOTrainer(CheckpointedRun):
         return peak_rss_bytes()
 
     # ------------------------------------------------------------------ step 8: PPO epochs
-
-    def _ppo_epochs(self, ro: Rollout, advantages, returns, beta) -> dict[str, float]:
-        p, cast = self.cfg.ppo, self.cast
-        B = len(ro)
-        mb_size = B // p.minibatches
-        micro = p.micro_batch_size or mb_size
-        seqs, attn = ro.sequences, ro.attention_mask
-        P = ro.prompt_ids.shape[1]
-        cast.policy.train()
-        if cast.critic is not None:
-            cast.critic.train()
-        stats: dict[str, list[float]] = {}
-        ratio_max = 0.0
-        for _epoch in range(p.epochs):
-            order = torch.randperm(B, generator=self.gens["shuffle"]).to(self.device)
-            for start in range(0, B, mb_size):
-                idx = order[start : start + mb_size]
-                n_tokens = ro.response_mask[idx].sum().clamp(min=1)
-                # Global token count: DDP/FSDP average gradients over ranks, so dividing each
-                # rank's token sum by (global tokens / world) gives the global token mean.
-                global_tokens = self.ctx.all_sum(n_tokens.double().reshape(1))[0]
-                agg = {"num_tokens": global_tokens / self.ctx.world, "num_seqs": mb_size}
-                n_micro = (mb_size + micro - 1) // micro
-                mb_stats: dict[str, float] = {}
-                finite = True
-                for k_micro, ms in enumerate(range(0, mb_size, micro)):
-                    i = idx[ms : ms + micro]
-                    m = ro.response_mask[i]
-                    sync = k_micro == n_micro - 1
-                    trained = [t for t in (self.train_policy, self.train_critic) if t is not None]
-                    with accumulate(trained, sync):
-                        # A separate critic's graph is disjoint from the policy's: backward
-                        # each as soon as it is built, so only one model's activations are
-                        # alive at a time (same gradients, half the activation peak).
-                        total, pg, pg_stats, vf, vf_stats = self._micro_loss(
-                            ro, i, m, advantages, returns, beta, agg, seqs, attn, P
-                        )
-                        if not self.ctx.all_true(bool(torch.isfinite(total))):
-                            finite = False
-                            break
-                        total.backward()
-                        if returns is not None and not cast.shared:
-                            vf, vf_stats = self._critic_loss(ro, i, m, returns, agg, seqs, attn, P)
-                            if not self.ctx.all_true(bool(torch.isfinite(vf))):
-                                finite = False
-                                break
-                            vf.backward()
-                    share = m.sum().item() / n_tokens.item()
-                    named = {
-                        "policy/loss": pg.item(),
-                        **{f"policy/{k}": v.item() for k, v in pg_stats.items()},
-                    }
-                    if vf_stats:
-                        named["val/loss"] = vf.item()
-                        named["val/clipfrac"] = vf_stats["vf_clipfrac"].item()
-                        named["val/explained_variance"] = vf_stats["explained_variance"].item()
-                    for k, v in named.items():  # losses already carry global denominators
-                        mb_stats[k] = mb_stats.get(k, 0.0) + (
-                            v if k.endswith("loss") else v * share
-                        )
-                    ratio_max = max(ratio_max, pg_stats["ratio_max"].item())
-                if self._apply_update(finite):
-                    if self.first_minibatch is None:
-                        self.first_minibatch = dict(mb_stats)
-                    for k, v in mb_stats.items():
-                        stats.setdefault(k, []).append(v)
-        out = {k: sum(v) / len(v) for k, v in stats.items()}
-        out["policy/ratio_max"] = ratio_max
-        if p.dual_clip is None:
-            out.pop("policy/dual_clipfrac", None)
-        return out
-
-    def _micro_loss(self, ro, i, m, advantages, returns, beta, agg, seqs, attn, P):
-        """Policy loss (+ KL-in-loss, − entropy bonus) of one micro-batch, plus the value loss
-        when the values come from the policy's own backbone (shared layout)."""
-        p, cast = self.cfg.ppo, self.cast
-        lp, values, ent = policy_outputs(
-            self.train_policy,
-            seqs[i],
-            attn[i],
-            P,
-            ro.response_ids[i],
-            self.cfg.rollout.temperature,
-            with_entropy=p.entropy_coef > 0,
-            shared=cast.shared,
-        )
-        pg, pg_stats = A.policy_loss(
-            lp,
-            ro.old_logprobs[i],
-            advantages[i],
-            m,
-            p.clip_low,
-            p.clip_high,
-            p.dual_clip,
-            p.loss_agg,
-            **agg,
-        )
-        loss = pg
-        if p.kl_placement == "loss":
-            kl = A.kl_estimate(lp, ro.ref_logprobs[i], p.kl_estimator)
-            loss = loss + beta * A.aggregate(kl, m, p.loss_agg, **agg)
-        if p.entropy_coef > 0:
-            loss = loss - p.entropy_coef * A.aggregate(ent, m, p.loss_agg, **agg)
-        vf, vf_stats = torch.zeros((), device=lp.device), {}
-        if returns is not None and cast.shared:
-            vf, vf_stats = self._value_loss(values, ro, i, m, returns, agg)
-        total = loss + self.cfg.model.vf_coef * vf
-        return total, pg, pg_stats, vf, vf_stats
-
-    def _critic_loss(self, ro, i, m, returns, agg, seqs, attn, P):
-        """Value loss of one micro-batch for a separate critic (its own forward)."""
-        values = self.train_critic(seqs[i], attn[i])[:, response_slice(P, ro.response_ids.shape[1])]
-        return self._value_loss(values, ro, i, m, returns, agg)
-
-    def _value_loss(self, values, ro, i, m, returns, agg):
-        p = self.cfg.ppo
-        return A.value_loss(values, ro.values[i], returns[i], m, p.value_clip, p.loss_agg, **agg)
-
-    def _trainable(self):
-        params = [q for q in self.cast.policy.parameters() if q.requires_grad]
-        if self.cast.critic is not None:
-            params += list(self.cast.critic.parameters())
-        return params
-
-    def _apply_update(self, loss_finite: bool) -> bool:
-        """Clip and step, unless the loss or a gradient is not finite (then skip and count)."""
-        p = self.cfg.ppo
-        cause = None if loss_finite else "loss"
-        if cause is None:
-            params = self._trainable()
-            norm = torch.nn.utils.clip_grad_norm_(
-                params, p.max_grad_norm if p.max_grad_norm is not None else math.inf
-            )
-            if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor holding the global norm
-                norm = norm.full_tensor()
-            if not torch.isfinite(norm):
-                cause = "gradient"
-        if cause is not None:
-            self.opt.zero_grad(set_to_none=True)
-            if self.critic_opt:
-                self.critic_opt.zero_grad(set_to_none=True)
-            self._bad_update(cause)
-            return False
-        for opt, sched in ((self.opt, self.sched), (self.critic_opt, self.critic_sched)):
-            if opt is not None:
-                opt.step()
-                sched.step()
-                opt.zero_grad(set_to_none=True)
-        self.consecutive_bad = 0
-        return True
-
-    def _bad_update(self, cause: str, count: int | None = None) -> None:
-        self.skipped_total += 1
-        self.consecutive_bad += 1
-        detail = f" ({count} non-finite scores)" if count else ""
-        log.warning(
-            "iteration %d: skipped an update: non-finite %s%s", self.iteration + 1, cause, detail
-        )
-        if self.consecutive_bad >= self.cfg.ppo.max_bad_updates:
-            path = self.save(self.iteration)  # weights are still the last good ones
-            raise TrainingHalted(
-                f"{self.consecutive_bad} updates in a row had a non-finite {cause}; stopped at "
-                f"iteration {self.iteration + 1} with the last good state in {path}. Try a lower "
-                "ppo.lr, reward.clip, or check the reward function for NaN/inf."
-            )
 
     # ------------------------------------------------------------------ state, checkpoints, fit
 

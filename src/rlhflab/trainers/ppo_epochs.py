@@ -1,0 +1,202 @@
+"""Step 8 of a PPO iteration: the epochs over the rollout, and the guarded optimiser update.
+
+A mixin of :class:`rlhflab.trainers.ppo.PPOTrainer` (which owns the models, optimisers and
+configuration it reads): kept apart so the iteration in ``ppo.py`` reads top to bottom and
+the minibatch/micro-batch loop, the losses it adds up and the non-finite guard read here.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from rlhflab import algorithms as A
+from rlhflab.distributed import accumulate
+from rlhflab.rollout import Rollout, policy_outputs, response_slice
+from rlhflab.trainers.common import TrainingHalted
+
+log = logging.getLogger(__name__)
+
+
+class PPOEpochs:
+    """PPO epochs, micro-batched losses and the update; mixed into ``PPOTrainer``."""
+
+    def _ppo_epochs(self, ro: Rollout, advantages, returns, beta) -> dict[str, float]:
+        p, cast = self.cfg.ppo, self.cast
+        B = len(ro)
+        mb_size = B // p.minibatches
+        micro = p.micro_batch_size or mb_size
+        seqs, attn = ro.sequences, ro.attention_mask
+        P = ro.prompt_ids.shape[1]
+        cast.policy.train()
+        if cast.critic is not None:
+            cast.critic.train()
+        stats: dict[str, list[float]] = {}
+        ratio_max = 0.0
+        if ro.old_logprobs is None:  # ppo.reuse_training_forward: this forward supplies them
+            ro.old_logprobs = torch.zeros_like(ro.ref_logprobs)
+            ro.entropy = torch.zeros_like(ro.ref_logprobs)
+            self.reuse_filled = torch.zeros(B, dtype=torch.bool, device=ro.ref_logprobs.device)
+        else:
+            self.reuse_filled = None
+        for _epoch in range(p.epochs):
+            order = torch.randperm(B, generator=self.gens["shuffle"]).to(self.device)
+            for start in range(0, B, mb_size):
+                idx = order[start : start + mb_size]
+                n_tokens = ro.response_mask[idx].sum().clamp(min=1)
+                # Global token count: DDP/FSDP average gradients over ranks, so dividing each
+                # rank's token sum by (global tokens / world) gives the global token mean.
+                global_tokens = self.ctx.all_sum(n_tokens.double().reshape(1))[0]
+                agg = {"num_tokens": global_tokens / self.ctx.world, "num_seqs": mb_size}
+                n_micro = (mb_size + micro - 1) // micro
+                mb_stats: dict[str, float] = {}
+                finite = True
+                for k_micro, ms in enumerate(range(0, mb_size, micro)):
+                    i = idx[ms : ms + micro]
+                    m = ro.response_mask[i]
+                    sync = k_micro == n_micro - 1
+                    trained = [t for t in (self.train_policy, self.train_critic) if t is not None]
+                    with accumulate(trained, sync):
+                        # A separate critic's graph is disjoint from the policy's: backward
+                        # each as soon as it is built, so only one model's activations are
+                        # alive at a time (same gradients, half the activation peak).
+                        total, pg, pg_stats, vf, vf_stats = self._micro_loss(
+                            ro, i, m, advantages, returns, beta, agg, seqs, attn, P
+                        )
+                        if not self.ctx.all_true(bool(torch.isfinite(total))):
+                            finite = False
+                            break
+                        total.backward()
+                        if returns is not None and not cast.shared:
+                            vf, vf_stats = self._critic_loss(ro, i, m, returns, agg, seqs, attn, P)
+                            if not self.ctx.all_true(bool(torch.isfinite(vf))):
+                                finite = False
+                                break
+                            vf.backward()
+                    share = m.sum().item() / n_tokens.item()
+                    named = {
+                        "policy/loss": pg.item(),
+                        **{f"policy/{k}": v.item() for k, v in pg_stats.items()},
+                    }
+                    if vf_stats:
+                        named["val/loss"] = vf.item()
+                        named["val/clipfrac"] = vf_stats["vf_clipfrac"].item()
+                        named["val/explained_variance"] = vf_stats["explained_variance"].item()
+                    for k, v in named.items():  # losses already carry global denominators
+                        mb_stats[k] = mb_stats.get(k, 0.0) + (
+                            v if k.endswith("loss") else v * share
+                        )
+                    ratio_max = max(ratio_max, pg_stats["ratio_max"].item())
+                if self._apply_update(finite):
+                    if self.first_minibatch is None:
+                        self.first_minibatch = dict(mb_stats)
+                    for k, v in mb_stats.items():
+                        stats.setdefault(k, []).append(v)
+        out = {k: sum(v) / len(v) for k, v in stats.items()}
+        out["policy/ratio_max"] = ratio_max
+        if p.dual_clip is None:
+            out.pop("policy/dual_clipfrac", None)
+        return out
+
+    def _micro_loss(self, ro, i, m, advantages, returns, beta, agg, seqs, attn, P):
+        """Policy loss (+ KL-in-loss, − entropy bonus) of one micro-batch, plus the value loss
+        when the values come from the policy's own backbone (shared layout)."""
+        p, cast = self.cfg.ppo, self.cast
+        lp, values, ent = policy_outputs(
+            self.train_policy,
+            seqs[i],
+            attn[i],
+            P,
+            ro.response_ids[i],
+            self.cfg.rollout.temperature,
+            with_entropy=p.entropy_coef > 0 or self.reuse_filled is not None,
+            shared=cast.shared,
+            entropy_grad=p.entropy_coef > 0,
+        )
+        if self.reuse_filled is not None:
+            # the weights that sampled the rollout, before any update: these *are* the old
+            # log-probs (ratio exactly 1), as a scoring forward would have computed them
+            ro.old_logprobs[i] = lp.detach()
+            ro.entropy[i] = ent.detach()
+            self.reuse_filled[i] = True
+        pg, pg_stats = A.policy_loss(
+            lp,
+            ro.old_logprobs[i],
+            advantages[i],
+            m,
+            p.clip_low,
+            p.clip_high,
+            p.dual_clip,
+            p.loss_agg,
+            **agg,
+        )
+        loss = pg
+        if p.kl_placement == "loss":
+            kl = A.kl_estimate(lp, ro.ref_logprobs[i], p.kl_estimator)
+            loss = loss + beta * A.aggregate(kl, m, p.loss_agg, **agg)
+        if p.entropy_coef > 0:
+            loss = loss - p.entropy_coef * A.aggregate(ent, m, p.loss_agg, **agg)
+        vf, vf_stats = torch.zeros((), device=lp.device), {}
+        if returns is not None and cast.shared:
+            vf, vf_stats = self._value_loss(values, ro, i, m, returns, agg)
+        total = loss + self.cfg.model.vf_coef * vf
+        return total, pg, pg_stats, vf, vf_stats
+
+    def _critic_loss(self, ro, i, m, returns, agg, seqs, attn, P):
+        """Value loss of one micro-batch for a separate critic (its own forward)."""
+        values = self.train_critic(seqs[i], attn[i])[:, response_slice(P, ro.response_ids.shape[1])]
+        return self._value_loss(values, ro, i, m, returns, agg)
+
+    def _value_loss(self, values, ro, i, m, returns, agg):
+        p = self.cfg.ppo
+        return A.value_loss(values, ro.values[i], returns[i], m, p.value_clip, p.loss_agg, **agg)
+
+    def _trainable(self):
+        params = [q for q in self.cast.policy.parameters() if q.requires_grad]
+        if self.cast.critic is not None:
+            params += list(self.cast.critic.parameters())
+        return params
+
+    def _apply_update(self, loss_finite: bool) -> bool:
+        """Clip and step, unless the loss or a gradient is not finite (then skip and count)."""
+        p = self.cfg.ppo
+        cause = None if loss_finite else "loss"
+        if cause is None:
+            params = self._trainable()
+            norm = torch.nn.utils.clip_grad_norm_(
+                params, p.max_grad_norm if p.max_grad_norm is not None else math.inf
+            )
+            if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor holding the global norm
+                norm = norm.full_tensor()
+            if not torch.isfinite(norm):
+                cause = "gradient"
+        if cause is not None:
+            self.opt.zero_grad(set_to_none=True)
+            if self.critic_opt:
+                self.critic_opt.zero_grad(set_to_none=True)
+            self._bad_update(cause)
+            return False
+        for opt, sched in ((self.opt, self.sched), (self.critic_opt, self.critic_sched)):
+            if opt is not None:
+                opt.step()
+                sched.step()
+                opt.zero_grad(set_to_none=True)
+        self.consecutive_bad = 0
+        return True
+
+    def _bad_update(self, cause: str, count: int | None = None) -> None:
+        self.skipped_total += 1
+        self.consecutive_bad += 1
+        detail = f" ({count} non-finite scores)" if count else ""
+        log.warning(
+            "iteration %d: skipped an update: non-finite %s%s", self.iteration + 1, cause, detail
+        )
+        if self.consecutive_bad >= self.cfg.ppo.max_bad_updates:
+            path = self.save(self.iteration)  # weights are still the last good ones
+            raise TrainingHalted(
+                f"{self.consecutive_bad} updates in a row had a non-finite {cause}; stopped at "
+                f"iteration {self.iteration + 1} with the last good state in {path}. Try a lower "
+                "ppo.lr, reward.clip, or check the reward function for NaN/inf."
+            )
