@@ -2,7 +2,8 @@
 
 1 generate → 2 score → 3 missing-EOS penalty → 4 score normalisation → 5 per-token KL
 shaping → 6 GAE → 7 advantage whitening → 8 PPO epochs → 9 metrics → 10 KL controller →
-11 checkpoint.
+11 checkpoint. Step 8, the epochs and the guarded update, is in
+:mod:`rlhflab.trainers.ppo_epochs`; checkpoints and resume in :mod:`~.runstate`.
 
 Every implementation detail is a field of :class:`rlhflab.config.Config`; the maths is in
 :mod:`rlhflab.algorithms`; devices, logs and checkpoints sit behind the helpers below.
@@ -400,10 +401,6 @@ class PPOTrainer(PPOEpochs, CheckpointedRun):
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device)
         return peak_rss_bytes()
-
-    # ------------------------------------------------------------------ step 8: PPO epochs
-
-    # ------------------------------------------------------------------ state, checkpoints, fit
 
 
 def train(cfg: Config, resume: bool = False) -> dict:

@@ -1,8 +1,9 @@
 """Step 8 of a PPO iteration: the epochs over the rollout, and the guarded optimiser update.
 
-A mixin of :class:`rlhflab.trainers.ppo.PPOTrainer` (which owns the models, optimisers and
-configuration it reads): kept apart so the iteration in ``ppo.py`` reads top to bottom and
-the minibatch/micro-batch loop, the losses it adds up and the non-finite guard read here.
+A mixin of :class:`rlhflab.trainers.ppo.PPOTrainer`, which owns the models, optimisers and
+configuration read here. Kept apart so that ``ppo.py`` stays a short list of numbered
+steps; here are the minibatch and micro-batch loops, the losses they add up, and the guard
+that skips an update whose loss or gradient is not finite.
 """
 
 from __future__ import annotations
