@@ -76,6 +76,13 @@ if __name__ == "__main__":
             stage="grpo",
         )
         GRPOTrainer(cfg).fit()
+    elif mode == "gather":  # rank r holds [r, r + 10]; rank 0 saves the gathered tensor
+        from rlhflab.distributed import init_distributed
+
+        ctx = init_distributed("cpu")
+        gathered = ctx.all_gather_cat(torch.tensor([ctx.rank, ctx.rank + 10.0]))
+        if ctx.is_main:
+            torch.save(gathered, out)
     else:  # mode "run": real sampling, checkpoints; resumes when a checkpoint exists
         t = PPOTrainer(config(out, *sys.argv[3:]))
         t.fit(resume=True)

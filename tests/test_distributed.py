@@ -46,6 +46,12 @@ def test_two_ranks_and_one_rank_make_the_same_first_update(tmp_path):
     assert diff < 1e-5 and critic_diff < 1e-5  # ... and the same whatever the rank layout
 
 
+def test_all_gather_cat_joins_rank_tensors_in_rank_order(tmp_path):
+    # the opener probe's ratio of means is taken over these gathered per-prompt values
+    torchrun(2, "gather", str(tmp_path / "g.pt"))
+    assert torch.load(tmp_path / "g.pt").tolist() == [0.0, 10.0, 1.0, 11.0]
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_rank_run_trains_checkpoints_and_resumes(tmp_path, strategy):
     run = tmp_path / strategy

@@ -41,6 +41,15 @@ class DistContext:
             dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return t
 
+    def all_gather_cat(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's (B, ...) tensor, concatenated in rank order (B equal on all ranks):
+        for statistics that are not means of per-rank means, e.g. a ratio of means."""
+        if not self.enabled:
+            return t
+        parts = [torch.empty_like(t) for _ in range(self.world)]
+        dist.all_gather(parts, t.contiguous())
+        return torch.cat(parts)
+
     def all_true(self, flag: bool) -> bool:
         """True only when the flag is true on every rank (a collective decision)."""
         if not self.enabled:

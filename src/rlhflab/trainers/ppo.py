@@ -349,9 +349,10 @@ class PPOTrainer(PPOEpochs, CheckpointedRun):
             return None
         args = (rollout.prompt_ids, rollout.prompt_mask, mc.phrases, r.temperature)
         tok, micro = self.cast.tokenizer, r.score_micro_batch
-        return (
-            opener_logprobs(self.cast.policy_lm, tok, *args, micro, mc.opener_tokens),
-            opener_logprobs(self.cast.reference, tok, *args, micro, mc.opener_tokens),
+        # every rank's prompts: the signal is a ratio of means over the global batch
+        return tuple(
+            self.ctx.all_gather_cat(opener_logprobs(model, tok, *args, micro, mc.opener_tokens))
+            for model in (self.cast.policy_lm, self.cast.reference)
         )
 
     def _watch(self, rollout: Rollout, metrics: dict, openers=None) -> dict[str, float]:
