@@ -12,24 +12,12 @@ from __future__ import annotations
 import time
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-from vs_trl import SIZES
+from vs_trl import bare_llama
 
 
 def main(reps: int = 5) -> None:
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    hidden, inter, layers, heads, _ = SIZES["25M"]  # the policy of vs_trl.py's 25M size
-    cfg = LlamaConfig(
-        vocab_size=440,
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=heads,
-        tie_word_embeddings=True,
-    )
-    model = LlamaForCausalLM(cfg)
+    model = bare_llama("25M")  # the policy of vs_trl.py's 25M size
     n = sum(p.numel() for p in model.parameters())
     for p in model.parameters():
         p.grad = torch.randn_like(p)

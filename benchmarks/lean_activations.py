@@ -21,28 +21,16 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from vs_trl import SIZES, _peak_rss_mib  # noqa: E402
+from vs_trl import SIZES, _peak_rss_mib, bare_llama  # noqa: E402
 
 
 def worker(mode: str, size: str, tokens: int, steps: int) -> dict:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from rlhflab.lean import make_activations_lean
 
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    hidden, inter, layers, heads, _ = SIZES[size]
-    cfg = LlamaConfig(
-        vocab_size=440,
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=heads,
-        tie_word_embeddings=True,
-    )
-    model = LlamaForCausalLM(cfg).train()
+    model = bare_llama(size).train()
     if mode == "lean":
         make_activations_lean(model)
     ids = torch.randint(0, 440, (16, tokens))

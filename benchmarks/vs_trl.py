@@ -115,6 +115,26 @@ def build_models(size: str, folder: Path) -> Path:
     return folder
 
 
+def bare_llama(size: str):
+    """A freshly initialised (seed 0) Llama causal LM of one size, 440-token vocabulary, tied
+    embeddings: the policy shape of that size, for the one-model benchmarks."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    hidden, inter, layers, heads, _ = SIZES[size]
+    cfg = LlamaConfig(
+        vocab_size=440,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        tie_word_embeddings=True,
+    )
+    return LlamaForCausalLM(cfg)
+
+
 # ------------------------------------------------------------- workers (one process each)
 def _peak_rss_mib() -> float:
     # rlhflab.memory.peak_rss_bytes reads the same line, but the TRL worker runs in TRL's
