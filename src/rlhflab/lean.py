@@ -16,8 +16,9 @@ No matmul is recomputed, unlike activation checkpointing. For fp32, bf16 and fp1
 forward does exactly transformers' operations in the same order (bit-identical outputs;
 with or without grad the same values, so the first PPO ratio stays exactly 1); gradients
 agree up to float rounding. In float64 (tests only) the norm is computed in float64 where
-transformers rounds through float32. Without grad (sampling, scoring, frozen models) the original
-expressions run unchanged. The same idea is behind fused-kernel libraries such as Liger
+transformers rounds through float32. Without grad (sampling, scoring, frozen models) the
+original expressions run unchanged. The functions are not autocast-aware: rlhflab casts
+models (and FSDP2 casts parameters) instead of running under ``torch.autocast``. The same idea is behind fused-kernel libraries such as Liger
 (arXiv:2410.10989), done here in plain PyTorch so it runs on every device.
 """
 
