@@ -70,7 +70,7 @@ class ModelConfig:
         "Llama-family RMSNorm and SwiGLU MLP blocks (Llama, Mistral, Qwen2/3, SmolLM3) of "
         "every trained model keep fewer activations for backward: the normalised input and "
         "SiLU(gate)*up are recomputed from what is kept (elementwise work, no matmul). Same "
-        "outputs, same gradients up to rounding, about a quarter fewer saved bytes "
+        "outputs, same gradients up to rounding, about a third fewer saved bytes "
         "(rlhflab/lean.py). Other architectures are left as they are.",
     )
     lora_r: int = setting(
@@ -173,7 +173,7 @@ class PPOConfig:
     )
     reuse_training_forward: bool = setting(
         True,
-        "With 1 epoch of 1 minibatch, no value model and the KL in the loss (GRPO/RLOO as "
+        "With 1 epoch of 1 minibatch, no value model and the KL in the loss (GRPO as "
         "usually run), the training forward is the first forward on the sampling weights: "
         "take the old log-probs and entropy from it (ratio exactly 1) instead of a separate "
         "no-grad policy forward while scoring, as TRL does. Ignored in every other case.",
