@@ -260,3 +260,19 @@ def test_gradient_checkpointing_keeps_the_gradients(nano_rm):
         grads.append([p.grad.clone() for p in cast.policy.parameters()])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("lean_on", [True, False])
+def test_cast_swaps_lean_modules_into_trained_models_only_when_asked(nano_rm, lean_on):
+    from rlhflab.lean import LeanRMSNorm, LeanSwiGLU
+
+    cfg = cast_config(
+        **{"reward.model": str(nano_rm), "model.lean_activations": str(lean_on).lower()}
+    )
+    cast = build_cast(cfg)
+    for model in (cast.policy, cast.critic):
+        kinds = {type(m) for m in model.modules()}
+        assert (LeanSwiGLU in kinds and LeanRMSNorm in kinds) == lean_on
+    # the frozen reward model is never touched
+    reward_model = next(s for s, _ in cast.reward.sources if isinstance(s, ModelReward)).model
+    assert not any(isinstance(m, (LeanRMSNorm, LeanSwiGLU)) for m in reward_model.modules())
