@@ -262,8 +262,6 @@ def score_rollout(
     rollout.ref_logprobs = torch.cat(parts["ref"]).to(device)
     if cast.critic_values is not None:
         rollout.values = torch.cat(parts["val"])
-    elif not cast.has_values:
-        rollout.values = None
     reward = cast.reward(RewardBatch(rollout.prompts, rollout.responses, seqs, mask))
     rollout.scores = reward.score.to(device)
     rollout.components = {k: v.to(device) for k, v in reward.components.items()}
