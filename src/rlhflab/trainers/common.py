@@ -3,23 +3,31 @@
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 
 from rlhflab.config import Config
 from rlhflab.data import PromptStream, load_prompts
+from rlhflab.optim import FusedAdamW, LambdaSchedule
 
 
 class TrainingHalted(RuntimeError):
     """The run stopped on purpose (repeated non-finite updates, a monitor); message says why."""
 
 
-def build_optimizer(groups: list[dict], p) -> torch.optim.Optimizer:
+def build_optimizer(groups: list[dict], p):
     """AdamW with the configured ε and weight decay (OAI19/N+ use ε = 1e-5)."""
+    return _adamw(groups, eps=p.adam_eps, weight_decay=p.weight_decay)
+
+
+def _adamw(groups: list[dict], **options):
+    """rlhflab's FusedAdamW (torch's fused kernel without torch.optim's import cost,
+    rlhflab/optim.py) where it applies, else torch's own AdamW (sharded FSDP2 weights)."""
     params = [q for g in groups for q in g["params"]]
-    return torch.optim.AdamW(
-        groups, eps=p.adam_eps, weight_decay=p.weight_decay, fused=fused_ok(params)
-    )
+    if fused_ok(params):
+        return FusedAdamW(groups, **options)
+    return torch.optim.AdamW(groups, **options)
 
 
 def fused_ok(params) -> bool:
@@ -27,10 +35,13 @@ def fused_ok(params) -> bool:
     or CUDA. It updates each tensor in one pass; the default per-tensor loop makes ~10 passes
     over every weight and its two moments, which on a CPU is memory-bound: about 4 % of a
     25M-parameter PPO iteration (benchmarks/vs_trl.py)."""
-    from torch.distributed.tensor import DTensor
-
+    # A DTensor exists only once its module is imported (by FSDP2); importing it here would
+    # pull in torch's compiler stack (~40 MiB resident) for nothing.
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
     return all(
-        type(q) is not DTensor and q.is_floating_point() and q.device.type in ("cpu", "cuda")
+        (dtensor is None or type(q) is not dtensor)
+        and q.is_floating_point()
+        and q.device.type in ("cpu", "cuda")
         for q in params
     )
 
@@ -47,10 +58,9 @@ def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_optimizer_simple(params, lr: float) -> torch.optim.Optimizer:
+def build_optimizer_simple(params, lr: float):
     """AdamW with torch's defaults, for the supervised stages (SFT, reward model)."""
-    params = list(params)
-    return torch.optim.AdamW(params, lr=lr, fused=fused_ok(params))
+    return _adamw([{"params": list(params)}], lr=lr)
 
 
 def supervised_step(model, opt, sched, loss: torch.Tensor, max_norm: float = 1.0) -> float:
@@ -63,10 +73,8 @@ def supervised_step(model, opt, sched, loss: torch.Tensor, max_norm: float = 1.0
     return loss.item()
 
 
-def build_scheduler(opt, warmup_steps: int, total_steps: int, schedule: str):
-    return torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: lr_factor(s, warmup_steps, total_steps, schedule)
-    )
+def build_scheduler(opt, warmup_steps: int, total_steps: int, schedule: str) -> LambdaSchedule:
+    return LambdaSchedule(opt, lambda s: lr_factor(s, warmup_steps, total_steps, schedule))
 
 
 def load_prompt_set(cfg: Config, tokenizer) -> PromptStream:

@@ -1,0 +1,185 @@
+"""AdamW and the learning-rate schedule, without the import cost of ``torch.optim``'s classes.
+
+Constructing any ``torch.optim.Optimizer`` imports torch's compiler stack (its methods are
+wrapped by ``torch._disable_dynamo``, which imports ``torch._dynamo`` on first call, and
+with it sympy and ``torch.distributed.tensor``): ~70 MiB of resident memory in a process
+that never compiles anything (measured in docs/benchmarks.md). That is more than a 4M
+model's weights, gradients and AdamW state together.
+
+:class:`FusedAdamW` runs the very kernel ``torch.optim.AdamW(fused=True)`` runs
+(``torch._fused_adamw_``, one pass per device and dtype over every weight and both
+moments), so its updates are bit-identical to torch's (tests/test_optim.py); its state
+dicts have torch's layout, so checkpoints load in either. It covers what rlhflab's trainers
+use — plain (not sharded) floating tensors on CPU or CUDA, no AMSGrad, no gradient scaler;
+anything else (FSDP2's DTensors) gets ``torch.optim.AdamW``. :class:`LambdaSchedule` is
+``torch.optim.lr_scheduler.LambdaLR``'s rule (lr = base lr × factor(step)) for either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+
+
+class FusedAdamW:
+    """AdamW with decoupled weight decay over parameter groups (dicts with ``params`` and
+    optional ``lr``, ``betas``, ``eps``, ``weight_decay``), like ``torch.optim.AdamW``."""
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+    ):
+        groups = list(params)
+        if groups and not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        # the option names torch's AdamW keeps in each group, so state dicts match
+        self.defaults = dict(
+            lr=lr,
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=False,
+            maximize=False,
+            foreach=None,
+            capturable=False,
+            differentiable=False,
+            fused=True,
+            decoupled_weight_decay=True,
+        )
+        self.param_groups = [{**self.defaults, **g, "params": list(g["params"])} for g in groups]
+        self.state: dict[torch.Tensor, dict] = {}
+        seen = set()
+        for g in self.param_groups:
+            if g.get("amsgrad") or g.get("maximize"):
+                raise ValueError("FusedAdamW: amsgrad and maximize are not supported")
+            for p in g["params"]:
+                if not (p.is_floating_point() and p.device.type in ("cpu", "cuda")):
+                    raise ValueError(
+                        f"FusedAdamW: a {p.dtype} parameter on {p.device} is not a floating "
+                        "CPU/CUDA tensor; use torch.optim.AdamW"
+                    )
+                if id(p) in seen:
+                    raise ValueError("FusedAdamW: a parameter appears in two groups")
+                seen.add(id(p))
+
+    def _state_of(self, p: torch.Tensor) -> dict:
+        st = self.state.get(p)
+        if st is None:  # torch's initial state for the fused path: float32 step on p's device
+            st = self.state[p] = {
+                "step": torch.zeros((), dtype=torch.float32, device=p.device),
+                "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+            }
+        return st
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """One update of every parameter that has a gradient."""
+        for g in self.param_groups:
+            buckets: dict[tuple, tuple[list, ...]] = {}
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise ValueError("FusedAdamW: sparse gradients are not supported")
+                st = self._state_of(p)
+                lists = buckets.setdefault((p.device, p.dtype), ([], [], [], [], []))
+                for lst, t in zip(lists, (p, p.grad, st["exp_avg"], st["exp_avg_sq"], st["step"])):
+                    lst.append(t)
+            beta1, beta2 = g["betas"]
+            for params, grads, avgs, sqs, steps in buckets.values():
+                torch._foreach_add_(steps, 1)
+                torch._fused_adamw_(
+                    params,
+                    grads,
+                    avgs,
+                    sqs,
+                    [],
+                    steps,
+                    amsgrad=False,
+                    lr=g["lr"],
+                    beta1=beta1,
+                    beta2=beta2,
+                    weight_decay=g["weight_decay"],
+                    eps=g["eps"],
+                    maximize=False,
+                    grad_scale=None,
+                    found_inf=None,
+                )
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.detach_().zero_()
+
+    def state_dict(self) -> dict:
+        """torch's layout: parameters numbered in group order; per-parameter state by number."""
+        index, groups, n = {}, [], 0
+        for g in self.param_groups:
+            ids = list(range(n, n + len(g["params"])))
+            index.update({id(p): i for p, i in zip(g["params"], ids)})
+            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": ids})
+            n += len(ids)
+        state = {index[id(p)]: dict(s) for p, s in self.state.items()}
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """A state dict from this class or from ``torch.optim.AdamW``."""
+        saved = sd["param_groups"]
+        if len(saved) != len(self.param_groups) or any(
+            len(s["params"]) != len(g["params"]) for s, g in zip(saved, self.param_groups)
+        ):
+            raise ValueError("optimizer state: parameter groups do not match this model's")
+        self.state = {}
+        for s, g in zip(saved, self.param_groups):
+            g.update({k: v for k, v in s.items() if k != "params"})
+            g["betas"] = tuple(g["betas"])
+            for i, p in zip(s["params"], g["params"]):
+                st = sd["state"].get(i, sd["state"].get(str(i)))
+                if st is None:
+                    continue
+                self.state[p] = {
+                    "step": torch.as_tensor(st["step"], dtype=torch.float32).to(p.device).clone(),
+                    "exp_avg": st["exp_avg"].to(p.device, p.dtype).clone(),
+                    "exp_avg_sq": st["exp_avg_sq"].to(p.device, p.dtype).clone(),
+                }
+
+
+class LambdaSchedule:
+    """lr of group i = base_lr_i × factor(step), ``step()`` once per optimiser step — the
+    rule of ``torch.optim.lr_scheduler.LambdaLR`` (whose state dicts it also reads)."""
+
+    def __init__(self, optimizer, factor: Callable[[int], float]):
+        self.optimizer, self.factor = optimizer, factor
+        self.base_lrs = [g.setdefault("initial_lr", g["lr"]) for g in optimizer.param_groups]
+        self.last_epoch = 0
+        self._apply()
+
+    def _apply(self) -> None:
+        self._last_lr = [base * self.factor(self.last_epoch) for base in self.base_lrs]
+        for g, lr in zip(self.optimizer.param_groups, self._last_lr):
+            g["lr"] = lr
+
+    def step(self) -> None:
+        self.last_epoch += 1
+        self._apply()
+
+    def get_last_lr(self) -> list[float]:
+        return list(self._last_lr)
+
+    def state_dict(self) -> dict:
+        return {"base_lrs": list(self.base_lrs), "last_epoch": self.last_epoch}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.base_lrs, self.last_epoch = list(sd["base_lrs"]), int(sd["last_epoch"])
+        self._apply()
