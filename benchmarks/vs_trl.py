@@ -146,7 +146,9 @@ def _peak_rss_mib() -> float:
     return float("nan")
 
 
-def run_rlhflab(folder: Path, answer: int, iterations: int, levers: bool) -> dict:
+def run_rlhflab(
+    folder: Path, answer: int, iterations: int, levers: bool, runtime: str = "native"
+) -> dict:
     import torch
 
     torch.set_num_threads(1)
@@ -156,7 +158,11 @@ def run_rlhflab(folder: Path, answer: int, iterations: int, levers: bool) -> dic
     base = {
         "device": "cpu",
         "seed": 0,
-        "model": {"policy": str(folder / "policy"), "value_model": "from_reward"},
+        "model": {
+            "policy": str(folder / "policy"),
+            "value_model": "from_reward",
+            "runtime": runtime,
+        },
         "reward": {"model": str(folder / "reward"), "normalize": "none", "clip": None},
         "rollout": {
             "prompts_per_iteration": ROLLOUTS,
@@ -291,7 +297,8 @@ def worker_main(argv: list[str]) -> None:
     if side == "trl":
         out = run_trl(folder, answer, iterations)
     else:
-        out = run_rlhflab(folder, answer, iterations, levers=side == "rlhflab-levers")
+        levers = side == "rlhflab-levers"
+        out = run_rlhflab(folder, answer, iterations, levers=levers, runtime=argv[4])
     print("RESULT " + json.dumps(out), flush=True)
 
 
@@ -337,7 +344,9 @@ def matmul_ceiling(size: str, prompt_tokens: int) -> float:
 
 
 # ------------------------------------------------------------------------------ the driver
-def run_side(python: str, side: str, folder: Path, size: str, iterations: int) -> dict:
+def run_side(
+    python: str, side: str, folder: Path, size: str, iterations: int, runtime: str = "native"
+) -> dict:
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
@@ -353,6 +362,7 @@ def run_side(python: str, side: str, folder: Path, size: str, iterations: int) -
         str(folder),
         str(SIZES[size][4]),
         str(iterations),
+        runtime,
     ]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
@@ -388,6 +398,12 @@ def main() -> None:
     ap.add_argument("--no-levers", action="store_true", help="skip the levers table")
     ap.add_argument("--work", default=str(HERE / ".vs_trl"), help="models, runs, TRL's venv")
     ap.add_argument("--setup", action="store_true", help="only build TRL's environment")
+    ap.add_argument(
+        "--runtime",
+        default="native",
+        choices=("native", "transformers"),
+        help="rlhflab's model.runtime (native: its own Llama forward; transformers: HF's)",
+    )
     args = ap.parse_args()
     work = Path(args.work)
     trl_py = str(setup_trl_env(work / f"trl-{TRL_VERSION}"))
@@ -400,10 +416,11 @@ def main() -> None:
         folder = build_models(size, work / f"models-{size}")
         runs: dict[str, list] = {"rlhflab": [], "trl": [], "rlhflab-levers": []}
         for _ in range(args.rounds):  # A B A B
-            runs["rlhflab"].append(run_side(ours, "rlhflab", folder, size, total))
+            runs["rlhflab"].append(run_side(ours, "rlhflab", folder, size, total, args.runtime))
             runs["trl"].append(run_side(trl_py, "trl", folder, size, total))
             if not args.no_levers:
-                runs["rlhflab-levers"].append(run_side(ours, "rlhflab-levers", folder, size, total))
+                lever_run = run_side(ours, "rlhflab-levers", folder, size, total, args.runtime)
+                runs["rlhflab-levers"].append(lever_run)
         prompt_tokens = prompt_length(folder)
         flops = useful_flops(size, prompt_tokens)
         row = {k: summarise(v, args.warmup) for k, v in runs.items() if v}
@@ -414,7 +431,7 @@ def main() -> None:
         row["flops_per_it"] = flops
         results[size] = row
         print(format_size(size, row), flush=True)
-    (work / "results.json").write_text(json.dumps(results, indent=2))
+    (work / "results.json").write_text(json.dumps({"runtime": args.runtime, **results}, indent=2))
     print()
     for size, row in results.items():
         print(f"time ratio {size}: {row['rlhflab']['s_per_it'] / row['trl']['s_per_it']:.3f}")

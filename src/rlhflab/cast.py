@@ -95,16 +95,20 @@ def build_cast(cfg: Config, device: torch.device | None = None) -> ModelCast:
     device = device or resolve_device(cfg.device)
     mc = cfg.model
     policy_path = M.resolve_path(mc.policy, "model.policy")
-    tokenizer = M.load_tokenizer(policy_path, mc.trust_remote_code)
-    lm = M.load_causal_lm(policy_path, tokenizer, mc.trust_remote_code)
+    tokenizer = M.load_tokenizer(policy_path, mc.trust_remote_code, runtime=mc.runtime)
+    lm = M.load_causal_lm(policy_path, tokenizer, mc.trust_remote_code, runtime=mc.runtime)
 
     # Reward model first: a critic may be initialised from it before it is cast to low precision.
     rm = rm_tokenizer = None
     if cfg.reward.model:
         rm_path = M.resolve_path(cfg.reward.model, "reward.model")
-        rm_tokenizer = M.load_tokenizer(rm_path, mc.trust_remote_code)
+        rm_tokenizer = M.load_tokenizer(rm_path, mc.trust_remote_code, runtime=mc.runtime)
         rm = M.load_sequence_classifier(
-            rm_path, rm_tokenizer, mc.trust_remote_code, owned=mc.reward_precision != "fp32"
+            rm_path,
+            rm_tokenizer,
+            mc.trust_remote_code,
+            owned=mc.reward_precision != "fp32",
+            runtime=mc.runtime,
         )
 
     layout = mc.value_model
@@ -126,13 +130,15 @@ def build_cast(cfg: Config, device: torch.device | None = None) -> ModelCast:
         critic = M.critic_from_reward_model(rm, head_weight_vector(rm, cfg.reward.heads))
     elif layout == "separate":
         critic_path = M.resolve_path(mc.critic, "model.critic") if mc.critic else policy_path
-        critic_tok = M.load_tokenizer(critic_path, mc.trust_remote_code)
+        critic_tok = M.load_tokenizer(critic_path, mc.trust_remote_code, runtime=mc.runtime)
         if not M.same_tokenizer(critic_tok, tokenizer):
             raise M.ModelLoadError(
                 f"model.critic: {critic_path} does not share the policy's "
                 "tokenizer; the critic reads the policy's token ids"
             )
-        critic = M.critic_from_causal_lm(critic_path, tokenizer, mc.trust_remote_code)
+        critic = M.critic_from_causal_lm(
+            critic_path, tokenizer, mc.trust_remote_code, runtime=mc.runtime
+        )
 
     if mc.lean_activations:  # before LoRA and the reference copy: same modules everywhere
         for model in (lm, critic):

@@ -24,6 +24,15 @@ class ModelConfig:
     trust_remote_code: bool = setting(
         False, "Allow model folders to run their own Python code. Off: it executes arbitrary code."
     )
+    runtime: str = setting(
+        "transformers",
+        "Which code runs the models. 'transformers': Hugging Face's classes (any architecture "
+        "they support). 'native': rlhflab's own Llama forward (rlhflab/native.py) over the "
+        "same safetensors files, for model_type llama with default RoPE; it never imports "
+        "transformers' modelling code (~80-115 MiB less resident memory, docs/benchmarks.md). "
+        "Not with LoRA or trust_remote_code.",
+        choices=("transformers", "native"),
+    )
     value_model: str = setting(
         "auto",
         "Critic layout. 'shared': a value head on the policy's backbone (OAI19; least memory). "
@@ -530,6 +539,11 @@ class Config:
 
 def validate(cfg: Config, stage: str = "ppo") -> Config:
     """Cross-field checks that single-field bounds cannot express (for the given stage)."""
+    if cfg.model.runtime == "native" and (cfg.model.lora_r or cfg.model.trust_remote_code):
+        raise ConfigError(
+            "model.runtime: 'native' runs rlhflab's own Llama code, which supports neither "
+            "LoRA (model.lora_r) nor model.trust_remote_code; use 'transformers'"
+        )
     if stage in ("sft", "rm", "dpo"):
         return cfg
     if stage == "ppo" and cfg.model.value_model == "none":

@@ -30,7 +30,7 @@ from torch import nn
 
 # transformers classes whose forward is exactly the Llama RMSNorm / SwiGLU MLP (checked
 # against transformers 5.24); any other class is left alone rather than guessed at.
-FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3", "SmolLM3")
+FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3", "SmolLM3", "Native")  # Native: native.py
 RMSNORM_CLASSES = frozenset(f"{f}RMSNorm" for f in FAMILIES)
 MLP_CLASSES = frozenset(f"{f}MLP" for f in FAMILIES)
 SILU_CLASSES = frozenset({"SiLU", "SiLUActivation"})  # torch's and transformers' (F.silu both)

@@ -76,11 +76,24 @@ def resolve_path(spec: str, field: str = "model") -> Path:
     return path
 
 
-def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
-    """Tokenizer with a pad token distinct from EOS (one is added when missing or shared)."""
-    from transformers import AutoTokenizer
+RUNTIMES = ("transformers", "native")
 
-    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+def load_tokenizer(
+    path: str | Path, trust_remote_code: bool = False, runtime: str = "transformers"
+):
+    """Tokenizer with a pad token distinct from EOS (one is added when missing or shared).
+
+    With ``runtime='native'`` a folder with a ``tokenizer.json`` is read by the generic
+    fast tokenizer class directly: ``AutoTokenizer`` would first resolve the model's config
+    class, which imports transformers' model-loading stack (~80 MiB, docs/benchmarks.md).
+    """
+    if runtime == "native" and (Path(path) / "tokenizer.json").exists() and not trust_remote_code:
+        from transformers import PreTrainedTokenizerFast as TokenizerClass
+    else:
+        from transformers import AutoTokenizer as TokenizerClass
+
+    tok = TokenizerClass.from_pretrained(path, trust_remote_code=trust_remote_code)
     if tok.eos_token_id is None:
         raise ModelLoadError(f"{path}: the tokenizer has no EOS token; answers could never end")
     if tok.pad_token_id is None or tok.pad_token_id == tok.eos_token_id:
@@ -108,9 +121,38 @@ def _fit_vocab(model, tokenizer) -> None:
     model.config.pad_token_id = tokenizer.pad_token_id
 
 
+def _check_runtime(runtime: str, trust_remote_code: bool) -> None:
+    if runtime not in RUNTIMES:
+        raise ModelLoadError(f"model.runtime: {runtime!r} is not one of {list(RUNTIMES)}")
+    if runtime == "native" and trust_remote_code:
+        raise ModelLoadError(
+            "model.runtime=native runs rlhflab's own Llama code; it cannot run a "
+            "checkpoint's remote code (model.trust_remote_code) — use runtime=transformers"
+        )
+
+
+def _load_native(path, kind: str, **kwargs):
+    from rlhflab.native import NativeConfigError, load_native
+
+    try:
+        return load_native(path, kind, **kwargs)
+    except NativeConfigError as exc:
+        raise ModelLoadError(str(exc)) from None
+
+
 def load_causal_lm(
-    path: str | Path, tokenizer, trust_remote_code: bool = False, dtype: torch.dtype = torch.float32
+    path: str | Path,
+    tokenizer,
+    trust_remote_code: bool = False,
+    dtype: torch.dtype = torch.float32,
+    runtime: str = "transformers",
 ):
+    """A causal LM from a local folder, through transformers or rlhflab's native runtime."""
+    _check_runtime(runtime, trust_remote_code)
+    if runtime == "native":
+        model = _load_native(path, "causal", dtype=dtype)
+        _fit_vocab(model, tokenizer)
+        return disable_dropout(model)
     from transformers import AutoModelForCausalLM
 
     quiet_transformers()
@@ -127,13 +169,19 @@ def load_sequence_classifier(
     trust_remote_code: bool = False,
     num_labels: int | None = None,
     owned: bool = False,
+    runtime: str = "transformers",
 ):
     """An HF sequence-classification model (reward model or critic); ``score`` is its head.
 
     ``owned=True`` reads the weights into memory instead of memory-mapping the file: use it
     for a model that will be converted to int8/bf16, whose fp32 pages would otherwise stay
-    resident with the mapping.
+    resident with the mapping (the native runtime always reads into memory).
     """
+    _check_runtime(runtime, trust_remote_code)
+    if runtime == "native":
+        model = _load_native(path, "classifier", num_labels=num_labels)
+        _fit_vocab(model, tokenizer)
+        return disable_dropout(model)
     from transformers import AutoModelForSequenceClassification
 
     quiet_transformers()
@@ -254,9 +302,11 @@ def token_values(critic, input_ids, attention_mask) -> torch.Tensor:
     return critic.score(backbone_hidden(critic, input_ids, attention_mask)).squeeze(-1).float()
 
 
-def critic_from_causal_lm(path, tokenizer, trust_remote_code=False):
+def critic_from_causal_lm(path, tokenizer, trust_remote_code=False, runtime="transformers"):
     """A separate critic: the causal LM's backbone with a zero-initialised scalar head."""
-    critic = load_sequence_classifier(path, tokenizer, trust_remote_code, num_labels=1)
+    critic = load_sequence_classifier(
+        path, tokenizer, trust_remote_code, num_labels=1, runtime=runtime
+    )
     nn.init.zeros_(critic.score.weight)
     if critic.score.bias is not None:
         nn.init.zeros_(critic.score.bias)

@@ -62,8 +62,12 @@ class DPOTrainer:
             "cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu"
         )
         path = M.resolve_path(cfg.model.policy, "model.policy")
-        self.tokenizer = M.load_tokenizer(path, cfg.model.trust_remote_code)
-        lm = M.load_causal_lm(path, self.tokenizer, cfg.model.trust_remote_code)
+        self.tokenizer = M.load_tokenizer(
+            path, cfg.model.trust_remote_code, runtime=cfg.model.runtime
+        )
+        lm = M.load_causal_lm(
+            path, self.tokenizer, cfg.model.trust_remote_code, runtime=cfg.model.runtime
+        )
         if cfg.model.lean_activations:
             make_activations_lean(lm)
         if cfg.model.lora_r:

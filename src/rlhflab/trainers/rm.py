@@ -134,10 +134,14 @@ def train_rm(cfg: Config) -> dict:
     if not heads:
         raise ConfigError("rm.heads: at least one head is needed")
     init = M.resolve_path(r.init or cfg.model.policy, "rm.init")
-    tokenizer = M.load_tokenizer(init, cfg.model.trust_remote_code)
+    tokenizer = M.load_tokenizer(init, cfg.model.trust_remote_code, runtime=cfg.model.runtime)
     model = (
         M.load_sequence_classifier(
-            init, tokenizer, cfg.model.trust_remote_code, num_labels=len(heads)
+            init,
+            tokenizer,
+            cfg.model.trust_remote_code,
+            num_labels=len(heads),
+            runtime=cfg.model.runtime,
         )
         .to(device)
         .train()

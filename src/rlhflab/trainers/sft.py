@@ -84,8 +84,12 @@ def train_sft(cfg: Config) -> dict:
     torch.manual_seed(cfg.seed)
     device = torch.device("cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu")
     path = M.resolve_path(cfg.model.policy, "model.policy")
-    tokenizer = M.load_tokenizer(path, cfg.model.trust_remote_code)
-    model = M.load_causal_lm(path, tokenizer, cfg.model.trust_remote_code).to(device).train()
+    tokenizer = M.load_tokenizer(path, cfg.model.trust_remote_code, runtime=cfg.model.runtime)
+    model = (
+        M.load_causal_lm(path, tokenizer, cfg.model.trust_remote_code, runtime=cfg.model.runtime)
+        .to(device)
+        .train()
+    )
     if cfg.model.lean_activations:
         make_activations_lean(model)
     pairs = load_sft_pairs(s.data) if s.data else builtin_sft_pairs(s.examples, cfg.seed)

@@ -1,0 +1,495 @@
+"""rlhflab's own runtime for Llama-architecture checkpoints (``model.runtime: native``).
+
+Why: importing transformers' modelling code costs ~80–115 MiB of resident memory before the
+first weight is read (``transformers.utils.type_validators`` → model loading →
+``torch.distributed.tensor`` → ``torch._dynamo`` and sympy, plus accelerate; measured in
+docs/benchmarks.md), more than a 4M-parameter run's whole training state. The forward
+passes rlhflab needs from a Llama model are few — logits with an optional KV cache, the
+backbone's last hidden state, a linear head — so this module implements them directly on
+the same safetensors, with the same parameter names (a checkpoint saved here loads in
+transformers and back, and LoRA target names, FSDP's ``base_model.layers`` and the lean
+activations all find what they expect).
+
+What it supports, checked when the config is read (anything else is refused with the
+field named, never guessed at): ``model_type: llama``, SiLU MLP, the default RoPE (no
+scaling), ``pretraining_tp: 1``; grouped-query attention, attention/MLP biases and tied
+embeddings are handled. The arithmetic follows transformers' Llama (RMSNorm in float32,
+RoPE angles in float32, SDPA attention), so logits agree with it to float rounding
+(tests/test_native.py). Two documented differences: a pad *query* position attends to
+itself only (transformers lets it attend everywhere; both outputs are masked out later),
+and new embedding rows (a pad token added to the vocabulary) start at the mean of the
+existing rows instead of a random draw around it.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+SUPPORTED_MODEL_TYPES = ("llama",)
+
+
+class NativeConfigError(ValueError):
+    """A checkpoint the native runtime does not implement (the message names the field)."""
+
+
+class NativeConfig:
+    """The fields of a checkpoint's config.json, as attributes (``cfg.hidden_size``).
+
+    Unknown fields are kept as they were read and written back unchanged on save, so a
+    checkpoint round-trips through rlhflab without losing anything transformers needs.
+    """
+
+    def __init__(self, fields: dict):
+        self.__dict__.update(fields)
+        labels = fields.get("id2label") or {"0": "LABEL_0"}
+        self.id2label = {int(k): v for k, v in labels.items()}
+        self.label2id = {v: k for k, v in self.id2label.items()}
+        self.head_dim = fields.get("head_dim") or self.hidden_size // self.num_attention_heads
+        self.num_key_value_heads = fields.get("num_key_value_heads") or self.num_attention_heads
+
+    @property
+    def num_labels(self) -> int:
+        return len(self.id2label)
+
+    @num_labels.setter
+    def num_labels(self, n: int) -> None:
+        if n != self.num_labels:
+            self.id2label = {i: f"LABEL_{i}" for i in range(n)}
+            self.label2id = {v: k for k, v in self.id2label.items()}
+
+    def rope_theta(self) -> float:
+        params = getattr(self, "rope_parameters", None) or {}
+        return float(params.get("rope_theta", getattr(self, "rope_theta", 10000.0)))
+
+    def to_dict(self) -> dict:
+        out = {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+        out["id2label"] = {str(k): v for k, v in self.id2label.items()}
+        out["label2id"] = dict(self.label2id)
+        return out
+
+
+def read_config(folder: str | Path) -> NativeConfig:
+    """config.json of ``folder``, checked against what this runtime implements."""
+    path = Path(folder) / "config.json"
+    fields = json.loads(path.read_text())
+    checks = {
+        "model_type": (fields.get("model_type"), SUPPORTED_MODEL_TYPES),
+        "hidden_act": (fields.get("hidden_act", "silu"), ("silu",)),
+        "pretraining_tp": (fields.get("pretraining_tp", 1), (1,)),
+    }
+    rope = fields.get("rope_parameters") or fields.get("rope_scaling") or {}
+    checks["rope_parameters.rope_type"] = (rope.get("rope_type", "default"), ("default",))
+    for field, (value, allowed) in checks.items():
+        if value not in allowed:
+            raise NativeConfigError(
+                f"{path}: {field}={value!r} is not supported by model.runtime=native "
+                f"(supported: {list(allowed)}); use model.runtime=transformers"
+            )
+    return NativeConfig(fields)
+
+
+# ----------------------------------------------------------------------------- the blocks
+
+
+class NativeRMSNorm(nn.Module):
+    """Llama RMSNorm: w · x / sqrt(mean(x²) + eps), computed in float32 for 16-bit x."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.variance_epsilon = eps  # the name lean.make_activations_lean looks for
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xc = x.to(torch.promote_types(x.dtype, torch.float32))
+        xc = xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * xc.to(x.dtype)
+
+
+class NativeMLP(nn.Module):
+    """SwiGLU: down(SiLU(gate(x)) · up(x))."""
+
+    def __init__(self, cfg: NativeConfig):
+        super().__init__()
+        bias = bool(getattr(cfg, "mlp_bias", False))
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class KVCache:
+    """Keys and values (B, kv_heads, T, head_dim) per layer, grown along T each step."""
+
+    def __init__(self):
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    def get_seq_length(self) -> int:
+        return self.keys[0].shape[2] if self.keys else 0
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        if layer == len(self.keys):
+            self.keys.append(k)
+            self.values.append(v)
+        else:
+            self.keys[layer] = torch.cat([self.keys[layer], k], dim=2)
+            self.values[layer] = torch.cat([self.values[layer], v], dim=2)
+        return self.keys[layer], self.values[layer]
+
+    def batch_repeat_interleave(self, n: int) -> None:
+        """Row i becomes rows i·n … i·n+n−1 (one prompt, n continuations)."""
+        self.keys = [k.repeat_interleave(n, 0) for k in self.keys]
+        self.values = [v.repeat_interleave(n, 0) for v in self.values]
+
+
+class NativeAttention(nn.Module):
+    def __init__(self, cfg: NativeConfig, layer: int):
+        super().__init__()
+        self.layer, hd = layer, cfg.head_dim
+        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        bias = bool(getattr(cfg, "attention_bias", False))
+        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * hd, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(self.heads * hd, cfg.hidden_size, bias=bias)
+
+    def forward(self, x, cos, sin, mask, cache: KVCache | None):
+        """x (B, L, H); cos/sin (B, L, head_dim); mask (B, 1, L, T) bool or None = causal."""
+        B, L, _ = x.shape
+        q = self.q_proj(x).view(B, L, self.heads, -1).transpose(1, 2)
+        k = self.k_proj(x).view(B, L, self.kv_heads, -1).transpose(1, 2)
+        v = self.v_proj(x).view(B, L, self.kv_heads, -1).transpose(1, 2)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        if cache is not None:
+            k, v = cache.update(self.layer, k, v)
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=mask is None and L > 1,
+            enable_gqa=self.kv_heads != self.heads,
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(B, L, -1))
+
+
+class NativeDecoderLayer(nn.Module):
+    def __init__(self, cfg: NativeConfig, layer: int):
+        super().__init__()
+        self.self_attn = NativeAttention(cfg, layer)
+        self.mlp = NativeMLP(cfg)
+        self.input_layernorm = NativeRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = NativeRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h, cos, sin, mask, cache):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def attention_mask_4d(attention_mask: torch.Tensor, q_len: int) -> torch.Tensor | None:
+    """(B, T) 0/1 key mask → (B, 1, q_len, T) bool, causal over the last q_len positions;
+    None when nothing is padded and there is no cache (SDPA's own causal kernel then).
+
+    A query may see key j when j is a real token at or before it; every query also sees
+    itself, so a pad query's row is never empty (an empty row would be NaN in SDPA).
+    """
+    B, T = attention_mask.shape
+    if T == q_len and bool(attention_mask.all()):
+        return None
+    device = attention_mask.device
+    rows = torch.arange(T - q_len, T, device=device)[:, None]
+    cols = torch.arange(T, device=device)[None, :]
+    allowed = (cols <= rows) & attention_mask.bool()[:, None, None, :]
+    return allowed | (cols == rows)
+
+
+@dataclass
+class NativeOutput:
+    logits: torch.Tensor | None = None
+    last_hidden_state: torch.Tensor | None = None
+    past_key_values: KVCache | None = None
+
+
+class NativeLlamaModel(nn.Module):
+    """The backbone: embeddings, decoder layers, final norm (transformers' ``model.*``)."""
+
+    def __init__(self, cfg: NativeConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            NativeDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = NativeRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+        self.checkpointing = False
+
+    def _inv_freq(self) -> torch.Tensor:
+        d = self.config.head_dim
+        exponents = torch.arange(0, d, 2, dtype=torch.int64).float() / d
+        return 1.0 / (self.config.rope_theta() ** exponents)
+
+    def forward(
+        self,
+        input_ids,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values: KVCache | None = None,
+        use_cache: bool = False,
+    ) -> NativeOutput:
+        B, L = input_ids.shape
+        cache = past_key_values if past_key_values is not None else KVCache() if use_cache else None
+        past = cache.get_seq_length() if cache is not None else 0
+        if attention_mask is None:
+            attention_mask = torch.ones(B, past + L, dtype=torch.long, device=input_ids.device)
+        if position_ids is None:
+            position_ids = torch.arange(past, past + L, device=input_ids.device).expand(B, L)
+        h = self.embed_tokens(input_ids)
+        # RoPE angles in float32 whatever the weights' dtype, as transformers does
+        freqs = self.inv_freq[None, :, None].float() @ position_ids[:, None, :].float()
+        emb = torch.cat((freqs, freqs), dim=1).transpose(1, 2)
+        cos, sin = emb.cos().to(h.dtype), emb.sin().to(h.dtype)
+        mask = attention_mask_4d(attention_mask, L)
+        for layer in self.layers:
+            if self.checkpointing and self.training and torch.is_grad_enabled():
+                h = checkpoint(layer, h, cos, sin, mask, cache, use_reentrant=False)
+            else:
+                h = layer(h, cos, sin, mask, cache)
+        return NativeOutput(last_hidden_state=self.norm(h), past_key_values=cache)
+
+
+# ----------------------------------------------------------------------------- with heads
+
+
+class _NativePreTrained(nn.Module):
+    """What rlhflab asks of a transformers model: ``base_model``, the embeddings, resizing,
+    checkpointing switches and ``save_pretrained`` (transformers-compatible files)."""
+
+    supports_gradient_checkpointing = True
+    architecture = ""  # the transformers class name written into config.json
+
+    def __init__(self, cfg: NativeConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = NativeLlamaModel(cfg)
+
+    @property
+    def base_model(self) -> NativeLlamaModel:
+        return self.model
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def get_output_embeddings(self) -> nn.Module | None:
+        return None
+
+    def resize_token_embeddings(self, n: int) -> nn.Embedding:
+        """Grow the vocabulary to ``n`` rows; new rows start at the mean of the old ones
+        (an added pad token's embedding is masked out anyway)."""
+        old = self.model.embed_tokens
+        if n <= old.num_embeddings:
+            raise ValueError(
+                f"resize_token_embeddings: {n} is not larger than {old.num_embeddings}"
+            )
+        new = nn.Embedding(n, old.embedding_dim, dtype=old.weight.dtype, device=old.weight.device)
+        with torch.no_grad():
+            new.weight[: old.num_embeddings] = old.weight
+            new.weight[old.num_embeddings :] = old.weight.mean(0)
+        self.model.embed_tokens = new
+        self.config.vocab_size = n
+        return new
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None) -> None:
+        """Recompute each decoder layer in backward (non-reentrant torch checkpoint)."""
+        kwargs = gradient_checkpointing_kwargs or {}
+        if kwargs.get("use_reentrant", False):
+            raise ValueError("the native runtime checkpoints with use_reentrant=False only")
+        self.model.checkpointing = True
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        return self.model.checkpointing
+
+    def save_pretrained(self, folder, safe_serialization=True, state_dict=None) -> None:
+        """config.json and model.safetensors, readable by transformers' Auto classes."""
+        from safetensors.torch import save_file
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        fields = self.config.to_dict()
+        fields["architectures"] = [self.architecture]
+        fields["vocab_size"] = self.get_input_embeddings().num_embeddings
+        fields["dtype"] = str(self.get_input_embeddings().weight.dtype).replace("torch.", "")
+        (folder / "config.json").write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
+        state = self.state_dict() if state_dict is None else state_dict
+        if getattr(self.config, "tie_word_embeddings", False):
+            state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+        state = {k: v.detach().contiguous() for k, v in state.items()}
+        save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+class NativeLlamaForCausalLM(_NativePreTrained):
+    architecture = "LlamaForCausalLM"
+
+    def __init__(self, cfg: NativeConfig):
+        super().__init__(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if getattr(self.config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def resize_token_embeddings(self, n: int) -> nn.Embedding:
+        new = super().resize_token_embeddings(n)
+        if getattr(self.config, "tie_word_embeddings", False):
+            self.lm_head = nn.Linear(new.embedding_dim, n, bias=False, device=new.weight.device)
+            self.tie_weights()
+        else:
+            old = self.lm_head
+            self.lm_head = nn.Linear(old.in_features, n, bias=False, dtype=old.weight.dtype)
+            with torch.no_grad():
+                self.lm_head.weight[: old.out_features] = old.weight
+                self.lm_head.weight[old.out_features :] = old.weight.mean(0)
+        return new
+
+    def forward(
+        self,
+        input_ids,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values: KVCache | None = None,
+        use_cache: bool = False,
+        logits_to_keep: int = 0,
+    ) -> NativeOutput:
+        """Logits (B, L, V) — of the last ``logits_to_keep`` positions only when > 0."""
+        out = self.model(input_ids, attention_mask, position_ids, past_key_values, use_cache)
+        h = out.last_hidden_state
+        out.logits = self.lm_head(h[:, -logits_to_keep:] if logits_to_keep else h)
+        return out
+
+
+class NativeLlamaForSequenceClassification(_NativePreTrained):
+    architecture = "LlamaForSequenceClassification"
+
+    def __init__(self, cfg: NativeConfig):
+        super().__init__(cfg)
+        self.score = nn.Linear(cfg.hidden_size, cfg.num_labels, bias=False)
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, **_) -> NativeOutput:
+        """Scores (B, num_labels) at each row's last non-pad token (transformers' pooling)."""
+        h = self.model(input_ids, attention_mask, position_ids).last_hidden_state
+        scores = self.score(h)
+        real = input_ids != self.config.pad_token_id
+        last = (torch.arange(input_ids.shape[1], device=h.device) * real).argmax(-1)
+        return NativeOutput(logits=scores[torch.arange(len(last), device=h.device), last])
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a safetensors checkpoint, single file or sharded (read into memory:
+    nothing stays tied to the file)."""
+    from safetensors.torch import load as load_bytes
+
+    single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
+    if single.exists():
+        files = [single]
+    elif index.exists():
+        shards = json.loads(index.read_text())["weight_map"].values()
+        files = [folder / name for name in dict.fromkeys(shards)]
+    else:
+        raise NativeConfigError(
+            f"{folder}: model.runtime=native reads safetensors checkpoints only "
+            "(no model.safetensors or model.safetensors.index.json)"
+        )
+    state = {}
+    for f in files:
+        state.update(load_bytes(f.read_bytes()))
+    return state
+
+
+@contextmanager
+def _uninitialised():
+    """Build Linear and Embedding layers without running their random initialisation: the
+    checkpoint's tensors replace the parameters anyway. (Not the meta device: creating
+    meta tensors imports torch's compiler stack, ``torch._refs`` → sympy, ~40 MiB.)"""
+    saved = {cls: cls.reset_parameters for cls in (nn.Linear, nn.Embedding)}
+    try:
+        for cls in saved:
+            cls.reset_parameters = lambda self: None
+        yield
+    finally:
+        for cls, fn in saved.items():
+            cls.reset_parameters = fn
+
+
+def load_native(
+    folder: str | Path,
+    kind: str,
+    dtype: torch.dtype = torch.float32,
+    num_labels: int | None = None,
+):
+    """A native causal LM (``kind='causal'``) or sequence classifier (``'classifier'``).
+
+    A classifier loaded from a causal LM's folder keeps the backbone and gets a fresh
+    ``score`` head (normal, std ``initializer_range``) — as transformers does. The model is
+    built without initialising its weights and the read tensors are assigned to it, so the
+    weights are in memory once.
+    """
+    folder = Path(folder)
+    cfg = read_config(folder)
+    if num_labels is not None:
+        cfg.num_labels = num_labels
+    cls = NativeLlamaForCausalLM if kind == "causal" else NativeLlamaForSequenceClassification
+    with _uninitialised():  # uninitialised memory is not resident until written
+        model = cls(cfg)
+    state = {k: v.to(dtype) for k, v in read_weights(folder).items()}
+    if kind != "causal":
+        state.pop("lm_head.weight", None)
+    expected = dict(model.named_parameters())
+    if kind == "causal" and getattr(cfg, "tie_word_embeddings", False):
+        expected.pop("lm_head.weight", None)
+    fresh = [k for k in expected if k not in state]
+    if kind != "causal" and fresh == ["score.weight"]:
+        std = float(getattr(cfg, "initializer_range", 0.02))
+        state["score.weight"] = torch.randn(cfg.num_labels, cfg.hidden_size, dtype=dtype) * std
+        fresh = []
+    unexpected = [k for k in state if k not in expected]
+    if fresh or unexpected:
+        raise NativeConfigError(
+            f"{folder}: weights do not match a {cls.architecture} "
+            f"(missing {fresh[:5]}, unexpected {unexpected[:5]})"
+        )
+    score = state.get("score.weight")
+    if score is not None and score.shape[0] != cfg.num_labels:
+        raise NativeConfigError(
+            f"{folder}: the saved score head has {score.shape[0]} outputs, "
+            f"{cfg.num_labels} were asked for"
+        )
+    model.load_state_dict(state, strict=False, assign=True)
+    if kind == "causal":
+        model.tie_weights()
+    return model.to(dtype)

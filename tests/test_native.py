@@ -1,0 +1,188 @@
+"""The native Llama runtime against transformers' LlamaForCausalLM on the same files."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rlhflab import models as M
+from rlhflab.native import NativeConfigError, attention_mask_4d, load_native, read_config
+from rlhflab.presets import build_preset, preset_path
+
+
+@pytest.fixture(scope="module")
+def gqa_folder(tmp_path_factory):
+    """A 2-layer Llama with grouped-query attention, untied head and biases, saved by
+    transformers (so the native loader reads transformers' own files)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=438,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attention_bias=True,
+        mlp_bias=True,
+        tie_word_embeddings=False,
+        max_position_embeddings=128,
+        pad_token_id=0,
+    )
+    out = tmp_path_factory.mktemp("gqa")
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    # a tokenizer for _fit_vocab and the samplers: the nano preset's
+    M.load_tokenizer(preset_path("nano")).save_pretrained(out)
+    return out
+
+
+def _batch():
+    """Two left-padded prompts and one unpadded, as rlhflab's rollouts look."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 400, (3, 9), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :3], mask[1, :1] = 0, 0
+    ids[mask == 0] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("which", ["nano", "gqa"])
+def test_logits_and_hidden_states_match_transformers(which, gqa_folder):
+    folder = preset_path("nano") if which == "nano" else gqa_folder
+    tok = M.load_tokenizer(folder)
+    hf = M.load_causal_lm(folder, tok, dtype=torch.float32).eval()
+    nat = M.load_causal_lm(folder, tok, dtype=torch.float32, runtime="native").eval()
+    assert type(nat).__name__ == "NativeLlamaForCausalLM"
+    assert set(nat.state_dict()) == set(hf.state_dict())
+    ids, mask = _batch()
+    real = mask.bool()
+    a = M.causal_forward(hf, ids, mask).logits
+    b = M.causal_forward(nat, ids, mask).logits
+    torch.testing.assert_close(b[real], a[real], rtol=1e-5, atol=1e-5)
+    kept = M.causal_forward(nat, ids, mask, keep_last=4).logits
+    torch.testing.assert_close(kept, b[:, -4:], rtol=0, atol=0)
+    ha, hb = M.backbone_hidden(hf, ids, mask), M.backbone_hidden(nat, ids, mask)
+    torch.testing.assert_close(hb[real], ha[real], rtol=1e-5, atol=1e-5)
+
+
+def test_cached_decoding_equals_one_full_forward(gqa_folder):
+    """Prefill + one token at a time through the KV cache = the whole sequence at once."""
+    tok = M.load_tokenizer(gqa_folder)
+    nat = M.load_causal_lm(gqa_folder, tok, dtype=torch.float32, runtime="native").eval()
+    ids, mask = _batch()
+    full = M.causal_forward(nat, ids, mask).logits
+    pos = M.position_ids_from_mask(mask)
+    out = nat(ids[:, :6], mask[:, :6], pos[:, :6], use_cache=True)
+    steps = [out.logits]
+    for t in range(6, 9):
+        out = nat(ids[:, t : t + 1], mask[:, : t + 1], pos[:, t : t + 1], out.past_key_values)
+        steps.append(out.logits)
+    torch.testing.assert_close(torch.cat(steps, 1)[mask.bool()], full[mask.bool()])
+
+
+def test_sampler_draws_the_same_answers_as_with_transformers():
+    """Same seed, same prompts: the samplers agree token for token (fp64 removes ties)."""
+    from rlhflab.rollout import sample
+
+    folder = preset_path("nano")
+    tok = M.load_tokenizer(folder)
+    ids, mask = _batch()
+    answers = []
+    for runtime in ("transformers", "native"):
+        lm = M.load_causal_lm(folder, tok, dtype=torch.float32, runtime=runtime).eval()
+        gen = torch.Generator().manual_seed(3)
+        answers.append(sample(lm, ids, mask, 12, tok.eos_token_id, tok.pad_token_id, generator=gen))
+    for x, y in zip(*answers):
+        assert torch.equal(x, y)
+
+
+def test_classifier_scores_and_gradients_match_transformers(nano_rm):
+    tok = M.load_tokenizer(nano_rm)
+    hf = M.load_sequence_classifier(nano_rm, tok)
+    nat = M.load_sequence_classifier(nano_rm, tok, runtime="native")
+    assert nat.config.id2label == hf.config.id2label and nat.config.num_labels == 3
+    ids, mask = _batch()
+    losses = []
+    for model in (hf, nat):
+        values = model.score(M.backbone_hidden(model, ids, mask))
+        losses.append((values * mask[..., None]).pow(2).sum())
+        losses[-1].backward()
+        with torch.no_grad():  # transformers' pooling: the last non-pad token
+            torch.testing.assert_close(
+                model(input_ids=ids, attention_mask=mask).logits, values[:, -1]
+            )
+    torch.testing.assert_close(losses[1], losses[0])
+    grads = dict(hf.named_parameters())
+    for name, p in nat.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-4, atol=1e-5)
+
+
+def test_saved_native_model_loads_in_transformers_and_back(tmp_path, gqa_folder):
+    tok = M.load_tokenizer(gqa_folder)
+    nat = M.load_causal_lm(gqa_folder, tok, runtime="native")
+    with torch.no_grad():
+        nat.lm_head.weight.add_(0.01)  # a trained change must survive the round trip
+    nat.save_pretrained(tmp_path)
+    hf = M.load_causal_lm(tmp_path, tok)
+    back = M.load_causal_lm(tmp_path, tok, runtime="native")
+    ids, mask = _batch()
+    ref = M.causal_forward(nat, ids, mask).logits[mask.bool()]
+    for model in (hf, back):
+        torch.testing.assert_close(M.causal_forward(model, ids, mask).logits[mask.bool()], ref)
+    # a classifier made from the causal LM keeps its backbone and gets a fresh head
+    clf = M.load_sequence_classifier(tmp_path, tok, num_labels=2, runtime="native")
+    torch.testing.assert_close(
+        M.backbone_hidden(clf, ids, mask)[mask.bool()],
+        M.backbone_hidden(nat, ids, mask)[mask.bool()],
+    )
+    assert clf.score.weight.shape == (2, 32)
+
+
+def test_unsupported_checkpoints_are_refused_with_the_field_named(tmp_path):
+    folder = build_preset("nano", tmp_path / "m")
+    cfg = json.loads((folder / "config.json").read_text())
+    for field, value, named in [
+        ("model_type", "qwen3", "model_type"),
+        ("rope_parameters", {"rope_type": "llama3", "rope_theta": 1e4}, "rope_type"),
+        ("hidden_act", "gelu", "hidden_act"),
+    ]:
+        (folder / "config.json").write_text(json.dumps({**cfg, field: value}))
+        with pytest.raises(NativeConfigError, match=named):
+            read_config(folder)
+        with pytest.raises(M.ModelLoadError, match=named):
+            M.load_causal_lm(folder, None, runtime="native")
+    (folder / "config.json").write_text(json.dumps(cfg))
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(NativeConfigError, match="safetensors"):
+        load_native(folder, "causal")
+
+
+def test_pad_queries_see_themselves_so_no_row_is_empty():
+    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+    m = attention_mask_4d(mask, 4)
+    assert m.shape == (2, 1, 4, 4) and bool(m.any(-1).all())
+    assert m[0, 0, 3].tolist() == [False, False, True, True]  # real query: real keys only
+    assert attention_mask_4d(torch.ones(2, 4, dtype=torch.long), 4) is None  # causal kernel
+
+
+def test_native_ppo_run_never_imports_transformers_modelling(tmp_path):
+    """The point of the runtime: a whole PPO iteration without transformers' model code."""
+    script = f"""
+import sys
+from rlhflab.config import load_config
+from rlhflab.trainers.ppo import PPOTrainer
+cfg = load_config(base={{"model": {{"policy": "preset:nano", "runtime": "native"}},
+    "reward": {{"functions": {{"rlhflab.toy_rewards:vowel_reward": 1.0}}}},
+    "rollout": {{"prompts_per_iteration": 4, "max_new_tokens": 4}},
+    "ppo": {{"iterations": 1}}, "log": {{"output_dir": {str(tmp_path)!r}, "progress": False}}}})
+PPOTrainer(cfg).fit()
+heavy = [m for m in ("transformers.modeling_utils", "torch.distributed.tensor", "sympy")
+         if m in sys.modules]
+print("HEAVY", heavy)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "HEAVY []" in done.stdout
