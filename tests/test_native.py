@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from rlhflab import models as M
-from rlhflab.native import NativeConfigError, attention_mask_4d, load_native, read_config
+from rlhflab.native import NativeConfigError, attention_mask_4d, read_config
+from rlhflab.native_models import load_native
 from rlhflab.presets import build_preset, preset_path
 
 

@@ -132,7 +132,8 @@ def _check_runtime(runtime: str, trust_remote_code: bool) -> None:
 
 
 def _load_native(path, kind: str, **kwargs):
-    from rlhflab.native import NativeConfigError, load_native
+    from rlhflab.native import NativeConfigError
+    from rlhflab.native_models import load_native
 
     try:
         return load_native(path, kind, **kwargs)

@@ -1,14 +1,17 @@
 """rlhflab's own runtime for Llama-architecture checkpoints (``model.runtime: native``).
 
-Why: importing transformers' modelling code costs ~80–115 MiB of resident memory before the
-first weight is read (``transformers.utils.type_validators`` → model loading →
-``torch.distributed.tensor`` → ``torch._dynamo`` and sympy, plus accelerate; measured in
-docs/benchmarks.md), more than a 4M-parameter run's whole training state. The forward
-passes rlhflab needs from a Llama model are few — logits with an optional KV cache, the
-backbone's last hidden state, a linear head — so this module implements them directly on
-the same safetensors, with the same parameter names (a checkpoint saved here loads in
-transformers and back, and LoRA target names, FSDP's ``base_model.layers`` and the lean
-activations all find what they expect).
+Why: loading a model through transformers imports its model-loading stack
+(``transformers.utils.type_validators`` → ``core_model_loading`` →
+``torch.distributed.tensor`` → ``torch._dynamo`` and sympy, plus accelerate): ~115 MiB of
+resident memory on top of torch's own, more than a 4M-parameter run's weights, gradients
+and AdamW state together (docs/benchmarks.md, "Import cost"). The forward passes rlhflab
+needs from a Llama model are few — logits with an optional KV cache, the backbone's last
+hidden state, a linear head — so this module implements them directly on the same
+safetensors, with the same parameter names: a checkpoint saved here loads in transformers
+and back, and FSDP's ``base_model.layers`` and the lean activations find what they expect.
+With rlhflab's own AdamW (:mod:`rlhflab.optim`; constructing a ``torch.optim`` optimiser
+imports ``torch._dynamo`` as well) a run stays at torch's import floor. The whole models,
+loading and saving are in :mod:`rlhflab.native_models`.
 
 What it supports, checked when the config is read (anything else is refused with the
 field named, never guessed at): ``model_type: llama``, SiLU MLP, the default RoPE (no
@@ -24,7 +27,6 @@ existing rows instead of a random draw around it.
 from __future__ import annotations
 
 import json
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,7 +136,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class KVCache:
-    """Keys and values (B, kv_heads, T, head_dim) per layer, grown along T each step."""
+    """Keys and values (B, kv_heads, T, head_dim) per layer, grown along T each step.
+
+    (Buffers allocated once for prompt + answer and written in place were tried: SDPA then
+    reads strided views, and sampling at 25M was no faster, 360-400 vs 415 tokens/s.)
+    """
 
     def __init__(self):
         self.keys: list[torch.Tensor] = []
@@ -144,6 +150,7 @@ class KVCache:
         return self.keys[0].shape[2] if self.keys else 0
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Append this step's k, v (B, kv_heads, t, head_dim); return all so far."""
         if layer == len(self.keys):
             self.keys.append(k)
             self.values.append(v)
@@ -244,8 +251,7 @@ class NativeLlamaModel(nn.Module):
 
     def _inv_freq(self) -> torch.Tensor:
         d = self.config.head_dim
-        exponents = torch.arange(0, d, 2, dtype=torch.int64).float() / d
-        return 1.0 / (self.config.rope_theta() ** exponents)
+        return 1.0 / (self.config.rope_theta() ** (torch.arange(0, d, 2, dtype=torch.float) / d))
 
     def forward(
         self,
@@ -264,8 +270,8 @@ class NativeLlamaModel(nn.Module):
             position_ids = torch.arange(past, past + L, device=input_ids.device).expand(B, L)
         h = self.embed_tokens(input_ids)
         # RoPE angles in float32 whatever the weights' dtype, as transformers does
-        freqs = self.inv_freq[None, :, None].float() @ position_ids[:, None, :].float()
-        emb = torch.cat((freqs, freqs), dim=1).transpose(1, 2)
+        freqs = position_ids[..., None].float() * self.inv_freq.float()
+        emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(h.dtype), emb.sin().to(h.dtype)
         mask = attention_mask_4d(attention_mask, L)
         for layer in self.layers:
@@ -274,222 +280,3 @@ class NativeLlamaModel(nn.Module):
             else:
                 h = layer(h, cos, sin, mask, cache)
         return NativeOutput(last_hidden_state=self.norm(h), past_key_values=cache)
-
-
-# ----------------------------------------------------------------------------- with heads
-
-
-class _NativePreTrained(nn.Module):
-    """What rlhflab asks of a transformers model: ``base_model``, the embeddings, resizing,
-    checkpointing switches and ``save_pretrained`` (transformers-compatible files)."""
-
-    supports_gradient_checkpointing = True
-    architecture = ""  # the transformers class name written into config.json
-
-    def __init__(self, cfg: NativeConfig):
-        super().__init__()
-        self.config = cfg
-        self.model = NativeLlamaModel(cfg)
-
-    @property
-    def base_model(self) -> NativeLlamaModel:
-        return self.model
-
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.model.embed_tokens
-
-    def get_output_embeddings(self) -> nn.Module | None:
-        return None
-
-    def resize_token_embeddings(self, n: int) -> nn.Embedding:
-        """Grow the vocabulary to ``n`` rows; new rows start at the mean of the old ones
-        (an added pad token's embedding is masked out anyway)."""
-        old = self.model.embed_tokens
-        if n <= old.num_embeddings:
-            raise ValueError(
-                f"resize_token_embeddings: {n} is not larger than {old.num_embeddings}"
-            )
-        new = nn.Embedding(n, old.embedding_dim, dtype=old.weight.dtype, device=old.weight.device)
-        with torch.no_grad():
-            new.weight[: old.num_embeddings] = old.weight
-            new.weight[old.num_embeddings :] = old.weight.mean(0)
-        self.model.embed_tokens = new
-        self.config.vocab_size = n
-        return new
-
-    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None) -> None:
-        """Recompute each decoder layer in backward (non-reentrant torch checkpoint)."""
-        kwargs = gradient_checkpointing_kwargs or {}
-        if kwargs.get("use_reentrant", False):
-            raise ValueError("the native runtime checkpoints with use_reentrant=False only")
-        self.model.checkpointing = True
-
-    @property
-    def is_gradient_checkpointing(self) -> bool:
-        return self.model.checkpointing
-
-    def save_pretrained(self, folder, safe_serialization=True, state_dict=None) -> None:
-        """config.json and model.safetensors, readable by transformers' Auto classes."""
-        from safetensors.torch import save_file
-
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        fields = self.config.to_dict()
-        fields["architectures"] = [self.architecture]
-        fields["vocab_size"] = self.get_input_embeddings().num_embeddings
-        fields["dtype"] = str(self.get_input_embeddings().weight.dtype).replace("torch.", "")
-        (folder / "config.json").write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
-        state = self.state_dict() if state_dict is None else state_dict
-        if getattr(self.config, "tie_word_embeddings", False):
-            state = {k: v for k, v in state.items() if k != "lm_head.weight"}
-        state = {k: v.detach().contiguous() for k, v in state.items()}
-        save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
-
-
-class NativeLlamaForCausalLM(_NativePreTrained):
-    architecture = "LlamaForCausalLM"
-
-    def __init__(self, cfg: NativeConfig):
-        super().__init__(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.tie_weights()
-
-    def tie_weights(self) -> None:
-        if getattr(self.config, "tie_word_embeddings", False):
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def get_output_embeddings(self) -> nn.Linear:
-        return self.lm_head
-
-    def resize_token_embeddings(self, n: int) -> nn.Embedding:
-        new = super().resize_token_embeddings(n)
-        if getattr(self.config, "tie_word_embeddings", False):
-            self.lm_head = nn.Linear(new.embedding_dim, n, bias=False, device=new.weight.device)
-            self.tie_weights()
-        else:
-            old = self.lm_head
-            self.lm_head = nn.Linear(old.in_features, n, bias=False, dtype=old.weight.dtype)
-            with torch.no_grad():
-                self.lm_head.weight[: old.out_features] = old.weight
-                self.lm_head.weight[old.out_features :] = old.weight.mean(0)
-        return new
-
-    def forward(
-        self,
-        input_ids,
-        attention_mask=None,
-        position_ids=None,
-        past_key_values: KVCache | None = None,
-        use_cache: bool = False,
-        logits_to_keep: int = 0,
-    ) -> NativeOutput:
-        """Logits (B, L, V) — of the last ``logits_to_keep`` positions only when > 0."""
-        out = self.model(input_ids, attention_mask, position_ids, past_key_values, use_cache)
-        h = out.last_hidden_state
-        out.logits = self.lm_head(h[:, -logits_to_keep:] if logits_to_keep else h)
-        return out
-
-
-class NativeLlamaForSequenceClassification(_NativePreTrained):
-    architecture = "LlamaForSequenceClassification"
-
-    def __init__(self, cfg: NativeConfig):
-        super().__init__(cfg)
-        self.score = nn.Linear(cfg.hidden_size, cfg.num_labels, bias=False)
-
-    def forward(self, input_ids, attention_mask=None, position_ids=None, **_) -> NativeOutput:
-        """Scores (B, num_labels) at each row's last non-pad token (transformers' pooling)."""
-        h = self.model(input_ids, attention_mask, position_ids).last_hidden_state
-        scores = self.score(h)
-        real = input_ids != self.config.pad_token_id
-        last = (torch.arange(input_ids.shape[1], device=h.device) * real).argmax(-1)
-        return NativeOutput(logits=scores[torch.arange(len(last), device=h.device), last])
-
-
-# ----------------------------------------------------------------------------- loading
-
-
-def read_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a safetensors checkpoint, single file or sharded (read into memory:
-    nothing stays tied to the file)."""
-    from safetensors.torch import load as load_bytes
-
-    single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
-    if single.exists():
-        files = [single]
-    elif index.exists():
-        shards = json.loads(index.read_text())["weight_map"].values()
-        files = [folder / name for name in dict.fromkeys(shards)]
-    else:
-        raise NativeConfigError(
-            f"{folder}: model.runtime=native reads safetensors checkpoints only "
-            "(no model.safetensors or model.safetensors.index.json)"
-        )
-    state = {}
-    for f in files:
-        state.update(load_bytes(f.read_bytes()))
-    return state
-
-
-@contextmanager
-def _uninitialised():
-    """Build Linear and Embedding layers without running their random initialisation: the
-    checkpoint's tensors replace the parameters anyway. (Not the meta device: creating
-    meta tensors imports torch's compiler stack, ``torch._refs`` → sympy, ~40 MiB.)"""
-    saved = {cls: cls.reset_parameters for cls in (nn.Linear, nn.Embedding)}
-    try:
-        for cls in saved:
-            cls.reset_parameters = lambda self: None
-        yield
-    finally:
-        for cls, fn in saved.items():
-            cls.reset_parameters = fn
-
-
-def load_native(
-    folder: str | Path,
-    kind: str,
-    dtype: torch.dtype = torch.float32,
-    num_labels: int | None = None,
-):
-    """A native causal LM (``kind='causal'``) or sequence classifier (``'classifier'``).
-
-    A classifier loaded from a causal LM's folder keeps the backbone and gets a fresh
-    ``score`` head (normal, std ``initializer_range``) — as transformers does. The model is
-    built without initialising its weights and the read tensors are assigned to it, so the
-    weights are in memory once.
-    """
-    folder = Path(folder)
-    cfg = read_config(folder)
-    if num_labels is not None:
-        cfg.num_labels = num_labels
-    cls = NativeLlamaForCausalLM if kind == "causal" else NativeLlamaForSequenceClassification
-    with _uninitialised():  # uninitialised memory is not resident until written
-        model = cls(cfg)
-    state = {k: v.to(dtype) for k, v in read_weights(folder).items()}
-    if kind != "causal":
-        state.pop("lm_head.weight", None)
-    expected = dict(model.named_parameters())
-    if kind == "causal" and getattr(cfg, "tie_word_embeddings", False):
-        expected.pop("lm_head.weight", None)
-    fresh = [k for k in expected if k not in state]
-    if kind != "causal" and fresh == ["score.weight"]:
-        std = float(getattr(cfg, "initializer_range", 0.02))
-        state["score.weight"] = torch.randn(cfg.num_labels, cfg.hidden_size, dtype=dtype) * std
-        fresh = []
-    unexpected = [k for k in state if k not in expected]
-    if fresh or unexpected:
-        raise NativeConfigError(
-            f"{folder}: weights do not match a {cls.architecture} "
-            f"(missing {fresh[:5]}, unexpected {unexpected[:5]})"
-        )
-    score = state.get("score.weight")
-    if score is not None and score.shape[0] != cfg.num_labels:
-        raise NativeConfigError(
-            f"{folder}: the saved score head has {score.shape[0]} outputs, "
-            f"{cfg.num_labels} were asked for"
-        )
-    model.load_state_dict(state, strict=False, assign=True)
-    if kind == "causal":
-        model.tie_weights()
-    return model.to(dtype)

@@ -1,0 +1,240 @@
+"""The native runtime's whole models: causal LM and sequence classifier, loading and saving.
+
+The blocks and the backbone are in :mod:`rlhflab.native`; this module adds what rlhflab asks
+of a transformers model (``base_model``, embeddings, resizing, checkpointing switches,
+``save_pretrained``) and reads checkpoints: safetensors only, single file or sharded.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from rlhflab.native import (
+    KVCache,
+    NativeConfig,
+    NativeConfigError,
+    NativeLlamaModel,
+    NativeOutput,
+    read_config,
+)
+
+
+class _NativePreTrained(nn.Module):
+    """What rlhflab asks of a transformers model: ``base_model``, the embeddings, resizing,
+    checkpointing switches and ``save_pretrained`` (transformers-compatible files)."""
+
+    supports_gradient_checkpointing = True
+    architecture = ""  # the transformers class name written into config.json
+
+    def __init__(self, cfg: NativeConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = NativeLlamaModel(cfg)
+
+    @property
+    def base_model(self) -> NativeLlamaModel:
+        return self.model
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def get_output_embeddings(self) -> nn.Module | None:
+        return None
+
+    def resize_token_embeddings(self, n: int) -> nn.Embedding:
+        """Grow the vocabulary to ``n`` rows; new rows start at the mean of the old ones
+        (an added pad token's embedding is masked out anyway)."""
+        old = self.model.embed_tokens
+        if n <= old.num_embeddings:
+            raise ValueError(
+                f"resize_token_embeddings: {n} is not larger than {old.num_embeddings}"
+            )
+        new = nn.Embedding(n, old.embedding_dim, dtype=old.weight.dtype, device=old.weight.device)
+        with torch.no_grad():
+            new.weight[: old.num_embeddings] = old.weight
+            new.weight[old.num_embeddings :] = old.weight.mean(0)
+        self.model.embed_tokens = new
+        self.config.vocab_size = n
+        return new
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None) -> None:
+        """Recompute each decoder layer in backward (non-reentrant torch checkpoint)."""
+        kwargs = gradient_checkpointing_kwargs or {}
+        if kwargs.get("use_reentrant", False):
+            raise ValueError("the native runtime checkpoints with use_reentrant=False only")
+        self.model.checkpointing = True
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        return self.model.checkpointing
+
+    def save_pretrained(self, folder, safe_serialization=True, state_dict=None) -> None:
+        """config.json and model.safetensors, readable by transformers' Auto classes."""
+        from safetensors.torch import save_file
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        fields = self.config.to_dict()
+        fields["architectures"] = [self.architecture]
+        fields["vocab_size"] = self.get_input_embeddings().num_embeddings
+        fields["dtype"] = str(self.get_input_embeddings().weight.dtype).replace("torch.", "")
+        (folder / "config.json").write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
+        state = self.state_dict() if state_dict is None else state_dict
+        if getattr(self.config, "tie_word_embeddings", False):
+            state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+        state = {k: v.detach().contiguous() for k, v in state.items()}
+        save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+class NativeLlamaForCausalLM(_NativePreTrained):
+    architecture = "LlamaForCausalLM"
+
+    def __init__(self, cfg: NativeConfig):
+        super().__init__(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if getattr(self.config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def resize_token_embeddings(self, n: int) -> nn.Embedding:
+        new = super().resize_token_embeddings(n)
+        if getattr(self.config, "tie_word_embeddings", False):
+            self.lm_head = nn.Linear(new.embedding_dim, n, bias=False, device=new.weight.device)
+            self.tie_weights()
+        else:
+            old = self.lm_head
+            self.lm_head = nn.Linear(old.in_features, n, bias=False, dtype=old.weight.dtype)
+            with torch.no_grad():
+                self.lm_head.weight[: old.out_features] = old.weight
+                self.lm_head.weight[old.out_features :] = old.weight.mean(0)
+        return new
+
+    def forward(
+        self,
+        input_ids,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values: KVCache | None = None,
+        use_cache: bool = False,
+        logits_to_keep: int = 0,
+    ) -> NativeOutput:
+        """Logits (B, L, V) — of the last ``logits_to_keep`` positions only when > 0."""
+        out = self.model(input_ids, attention_mask, position_ids, past_key_values, use_cache)
+        h = out.last_hidden_state
+        out.logits = self.lm_head(h[:, -logits_to_keep:] if logits_to_keep else h)
+        return out
+
+
+class NativeLlamaForSequenceClassification(_NativePreTrained):
+    architecture = "LlamaForSequenceClassification"
+
+    def __init__(self, cfg: NativeConfig):
+        super().__init__(cfg)
+        self.score = nn.Linear(cfg.hidden_size, cfg.num_labels, bias=False)
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, **_) -> NativeOutput:
+        """Scores (B, num_labels) at each row's last non-pad token (transformers' pooling)."""
+        h = self.model(input_ids, attention_mask, position_ids).last_hidden_state
+        scores = self.score(h)
+        real = input_ids != self.config.pad_token_id
+        last = (torch.arange(input_ids.shape[1], device=h.device) * real).argmax(-1)
+        return NativeOutput(logits=scores[torch.arange(len(last), device=h.device), last])
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a safetensors checkpoint, single file or sharded (read into memory:
+    nothing stays tied to the file)."""
+    from safetensors.torch import load as load_bytes
+
+    single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
+    if single.exists():
+        files = [single]
+    elif index.exists():
+        shards = json.loads(index.read_text())["weight_map"].values()
+        files = [folder / name for name in dict.fromkeys(shards)]
+    else:
+        raise NativeConfigError(
+            f"{folder}: model.runtime=native reads safetensors checkpoints only "
+            "(no model.safetensors or model.safetensors.index.json)"
+        )
+    state = {}
+    for f in files:
+        state.update(load_bytes(f.read_bytes()))
+    return state
+
+
+@contextmanager
+def _uninitialised():
+    """Build Linear and Embedding layers without running their random initialisation: the
+    checkpoint's tensors replace the parameters anyway. (Not the meta device: creating
+    meta tensors imports torch's compiler stack, ``torch._refs`` → sympy, ~40 MiB.)"""
+    saved = {cls: cls.reset_parameters for cls in (nn.Linear, nn.Embedding)}
+    try:
+        for cls in saved:
+            cls.reset_parameters = lambda self: None
+        yield
+    finally:
+        for cls, fn in saved.items():
+            cls.reset_parameters = fn
+
+
+def load_native(
+    folder: str | Path,
+    kind: str,
+    dtype: torch.dtype = torch.float32,
+    num_labels: int | None = None,
+):
+    """A native causal LM (``kind='causal'``) or sequence classifier (``'classifier'``).
+
+    A classifier loaded from a causal LM's folder keeps the backbone and gets a fresh
+    ``score`` head (normal, std ``initializer_range``) — as transformers does. The model is
+    built without initialising its weights and the read tensors are assigned to it, so the
+    weights are in memory once.
+    """
+    folder = Path(folder)
+    cfg = read_config(folder)
+    if num_labels is not None:
+        cfg.num_labels = num_labels
+    cls = NativeLlamaForCausalLM if kind == "causal" else NativeLlamaForSequenceClassification
+    with _uninitialised():  # uninitialised memory is not resident until written
+        model = cls(cfg)
+    state = {k: v.to(dtype) for k, v in read_weights(folder).items()}
+    if kind != "causal":
+        state.pop("lm_head.weight", None)
+    expected = dict(model.named_parameters())
+    if kind == "causal" and getattr(cfg, "tie_word_embeddings", False):
+        expected.pop("lm_head.weight", None)
+    fresh = [k for k in expected if k not in state]
+    if kind != "causal" and fresh == ["score.weight"]:
+        std = float(getattr(cfg, "initializer_range", 0.02))
+        state["score.weight"] = torch.randn(cfg.num_labels, cfg.hidden_size, dtype=dtype) * std
+        fresh = []
+    unexpected = [k for k in state if k not in expected]
+    if fresh or unexpected:
+        raise NativeConfigError(
+            f"{folder}: weights do not match a {cls.architecture} "
+            f"(missing {fresh[:5]}, unexpected {unexpected[:5]})"
+        )
+    score = state.get("score.weight")
+    if score is not None and score.shape[0] != cfg.num_labels:
+        raise NativeConfigError(
+            f"{folder}: the saved score head has {score.shape[0]} outputs, "
+            f"{cfg.num_labels} were asked for"
+        )
+    model.load_state_dict(state, strict=False, assign=True)
+    if kind == "causal":
+        model.tie_weights()
+    return model.to(dtype)
