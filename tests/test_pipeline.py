@@ -4,7 +4,9 @@ import json
 import random
 
 import pytest
+import torch
 
+from rlhflab import models as M
 from rlhflab import tasks
 from rlhflab.cli import main
 from rlhflab.data import DataError, load_preferences
@@ -88,13 +90,15 @@ def test_rm_command_reports_a_broken_preference_file(tmp_path, capsys):
     assert "prefs.jsonl:2: not valid JSON" in capsys.readouterr().err
 
 
-def test_sft_rm_ppo_commands_chain(tmp_path, capsys):
+@pytest.mark.parametrize("runtime", ["transformers", "native"])
+def test_sft_rm_ppo_commands_chain(tmp_path, capsys, runtime):
     sft, rm = tmp_path / "sft", tmp_path / "rm"
     assert (
         main(
             [
                 "sft",
                 "model.policy=preset:nano",
+                f"model.runtime={runtime}",
                 "sft.steps=20",
                 "sft.examples=200",
                 f"sft.output_dir={sft}",
@@ -108,6 +112,7 @@ def test_sft_rm_ppo_commands_chain(tmp_path, capsys):
             [
                 "rm",
                 f"model.policy={sft}",
+                f"model.runtime={runtime}",
                 "rm.steps=10",
                 "rm.pairs=100",
                 f"rm.output_dir={rm}",
@@ -124,6 +129,7 @@ def test_sft_rm_ppo_commands_chain(tmp_path, capsys):
                 "ppo",
                 f"model.policy={sft}",
                 f"reward.model={rm}",
+                f"model.runtime={runtime}",
                 "ppo.iterations=2",
                 "rollout.prompts_per_iteration=8",
                 "rollout.max_new_tokens=8",
@@ -135,6 +141,19 @@ def test_sft_rm_ppo_commands_chain(tmp_path, capsys):
     )
     rows = [json.loads(ln) for ln in (tmp_path / "ppo" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and "objective/scores/rm/correctness" in rows[0]
+    # what either runtime saved loads in the other (same files, same names)
+    other = "native" if runtime == "transformers" else "transformers"
+    tok = M.load_tokenizer(sft)
+    a = M.load_sequence_classifier(rm, tok, runtime=runtime)
+    b = M.load_sequence_classifier(rm, tok, runtime=other)
+    enc = tok(["1 + 1 ="], return_tensors="pt")
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    torch.testing.assert_close(
+        a(input_ids=ids, attention_mask=mask).logits,
+        b(input_ids=ids, attention_mask=mask).logits,
+        rtol=1e-4,
+        atol=1e-5,
+    )
 
 
 @pytest.mark.slow
