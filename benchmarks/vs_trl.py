@@ -14,7 +14,9 @@ Reported per size: median and spread of seconds per iteration, generation tokens
 second, peak resident memory (VmHWM of the worker), achieved GFLOP/s of useful work
 (counted below) against a one-thread fp32 matmul ceiling measured here, and the ratios.
 A second table runs rlhflab with the recommended levers (shared policy/value backbone,
-int8 reference and reward model). The last lines are ``time ratio <size>: X``,
+int8 reference and reward model). rlhflab runs with ``model.runtime=native`` (its own Llama
+forward and AdamW over the same files: same arithmetic, fewer imports); ``--runtime
+transformers`` runs it on transformers' classes instead. The last lines are ``time ratio <size>: X``,
 ``memory ratio <size>: Y`` and ``time ratio 25M with levers: Z``.
 
     python benchmarks/vs_trl.py --setup                 # once: TRL's own environment

@@ -28,9 +28,10 @@ class ModelConfig:
         "transformers",
         "Which code runs the models. 'transformers': Hugging Face's classes (any architecture "
         "they support). 'native': rlhflab's own Llama forward (rlhflab/native.py) over the "
-        "same safetensors files, for model_type llama with default RoPE; it never imports "
-        "transformers' modelling code (~80-115 MiB less resident memory, docs/benchmarks.md). "
-        "Not with LoRA or trust_remote_code.",
+        "same safetensors files, for model_type llama with default RoPE; with rlhflab's own "
+        "AdamW a run never imports transformers' modelling code or torch's compiler stack "
+        "(~93 MiB less resident memory, docs/benchmarks.md). Not with LoRA or "
+        "trust_remote_code.",
         choices=("transformers", "native"),
     )
     value_model: str = setting(

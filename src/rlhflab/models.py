@@ -86,7 +86,7 @@ def load_tokenizer(
 
     With ``runtime='native'`` a folder with a ``tokenizer.json`` is read by the generic
     fast tokenizer class directly: ``AutoTokenizer`` would first resolve the model's config
-    class, which imports transformers' model-loading stack (~80 MiB, docs/benchmarks.md).
+    class, which imports transformers' model-loading stack (docs/benchmarks.md, "Import cost").
     """
     if runtime == "native" and (Path(path) / "tokenizer.json").exists() and not trust_remote_code:
         from transformers import PreTrainedTokenizerFast as TokenizerClass

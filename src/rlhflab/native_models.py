@@ -87,7 +87,7 @@ class _NativePreTrained(nn.Module):
         state = self.state_dict() if state_dict is None else state_dict
         if getattr(self.config, "tie_word_embeddings", False):
             state = {k: v for k, v in state.items() if k != "lm_head.weight"}
-        state = {k: v.detach().contiguous() for k, v in state.items()}
+        state = {k: v.detach().cpu().contiguous() for k, v in state.items()}
         save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
@@ -113,7 +113,9 @@ class NativeLlamaForCausalLM(_NativePreTrained):
             self.tie_weights()
         else:
             old = self.lm_head
-            self.lm_head = nn.Linear(old.in_features, n, bias=False, dtype=old.weight.dtype)
+            self.lm_head = nn.Linear(
+                old.in_features, n, bias=False, dtype=old.weight.dtype, device=old.weight.device
+            )
             with torch.no_grad():
                 self.lm_head.weight[: old.out_features] = old.weight
                 self.lm_head.weight[old.out_features :] = old.weight.mean(0)
@@ -146,7 +148,8 @@ class NativeLlamaForSequenceClassification(_NativePreTrained):
         """Scores (B, num_labels) at each row's last non-pad token (transformers' pooling)."""
         h = self.model(input_ids, attention_mask, position_ids).last_hidden_state
         scores = self.score(h)
-        real = input_ids != self.config.pad_token_id
+        pad = getattr(self.config, "pad_token_id", None)
+        real = input_ids != pad if pad is not None else torch.ones_like(input_ids, dtype=torch.bool)
         last = (torch.arange(input_ids.shape[1], device=h.device) * real).argmax(-1)
         return NativeOutput(logits=scores[torch.arange(len(last), device=h.device), last])
 
