@@ -11,22 +11,18 @@ from rlhflab import models as M
 from rlhflab.native import NativeConfigError, attention_mask_4d, read_config
 from rlhflab.native_models import load_native
 from rlhflab.presets import build_preset, preset_path
+from tests.test_lean import tiny_llama
 
 
 @pytest.fixture(scope="module")
 def gqa_folder(tmp_path_factory):
     """A 2-layer Llama with grouped-query attention, untied head and biases, saved by
     transformers (so the native loader reads transformers' own files)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
+    model = tiny_llama(
         vocab_size=438,
         hidden_size=32,
         intermediate_size=48,
-        num_hidden_layers=2,
         num_attention_heads=4,
-        num_key_value_heads=2,
         attention_bias=True,
         mlp_bias=True,
         tie_word_embeddings=False,
@@ -34,7 +30,7 @@ def gqa_folder(tmp_path_factory):
         pad_token_id=0,
     )
     out = tmp_path_factory.mktemp("gqa")
-    LlamaForCausalLM(cfg).save_pretrained(out)
+    model.save_pretrained(out)
     # a tokenizer for _fit_vocab and the samplers: the nano preset's
     M.load_tokenizer(preset_path("nano")).save_pretrained(out)
     return out
