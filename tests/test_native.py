@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from rlhflab import models as M
+from rlhflab.lean import make_activations_lean
 from rlhflab.native import NativeConfigError, attention_mask_4d, read_config
 from rlhflab.native_models import load_native
 from rlhflab.presets import build_preset, preset_path
@@ -63,6 +64,10 @@ def test_logits_and_hidden_states_match_transformers(which, gqa_folder):
     torch.testing.assert_close(kept, b[:, -4:], rtol=0, atol=0)
     ha, hb = M.backbone_hidden(hf, ids, mask), M.backbone_hidden(nat, ids, mask)
     torch.testing.assert_close(hb[real], ha[real], rtol=1e-5, atol=1e-5)
+    # the lean activations recognise the native blocks (2 norms + MLP per layer, final norm)
+    layers = nat.config.num_hidden_layers
+    assert make_activations_lean(nat) == 3 * layers + 1
+    torch.testing.assert_close(M.causal_forward(nat, ids, mask).logits, b, rtol=0, atol=0)
 
 
 def test_cached_decoding_equals_one_full_forward(gqa_folder):
