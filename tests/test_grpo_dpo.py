@@ -47,13 +47,15 @@ def test_group_prompts_are_consecutive(tmp_path):
     assert all(len(set(prompts[i : i + 4])) == 1 for i in range(0, 16, 4))
 
 
-def test_grpo_resume_is_bit_identical(tmp_path):
-    straight = GRPOTrainer(grpo_cfg(tmp_path, out="a"), estimator="rloo")
+@pytest.mark.parametrize("runtime", ["transformers", "native"])
+def test_grpo_resume_is_bit_identical(tmp_path, runtime):
+    rt = f"model.runtime={runtime}"
+    straight = GRPOTrainer(grpo_cfg(tmp_path, rt, out="a"), estimator="rloo")
     straight.fit()
-    half = GRPOTrainer(grpo_cfg(tmp_path, out="b"), estimator="rloo")
+    half = GRPOTrainer(grpo_cfg(tmp_path, rt, out="b"), estimator="rloo")
     half.cfg.ppo.iterations = 2
     half.fit()
-    resumed = GRPOTrainer(grpo_cfg(tmp_path, out="b"), estimator="rloo")
+    resumed = GRPOTrainer(grpo_cfg(tmp_path, rt, out="b"), estimator="rloo")
     resumed.fit(resume=True)
     for a, b in zip(
         straight.cast.policy.state_dict().values(), resumed.cast.policy.state_dict().values()
@@ -132,15 +134,17 @@ def test_dpo_starts_at_log2_and_learns_the_preferences(tmp_path):
     assert sum(acc[-5:]) / 5 > 0.6 and rows[-1]["rewards/margin"] > 0
 
 
-def test_dpo_resume_is_bit_identical_and_ipo_runs(tmp_path):
-    straight = DPOTrainer(dpo_cfg(tmp_path, out="a"))
+@pytest.mark.parametrize("runtime", ["transformers", "native"])
+def test_dpo_resume_is_bit_identical_and_ipo_runs(tmp_path, runtime):
+    rt = f"model.runtime={runtime}"
+    straight = DPOTrainer(dpo_cfg(tmp_path, rt, out="a"))
     straight.fit()
-    half = DPOTrainer(dpo_cfg(tmp_path, out="b"))
+    half = DPOTrainer(dpo_cfg(tmp_path, rt, out="b"))
     half.cfg.dpo.steps = 2
     half.fit()
-    resumed = DPOTrainer(dpo_cfg(tmp_path, out="b"))
+    resumed = DPOTrainer(dpo_cfg(tmp_path, rt, out="b"))
     resumed.fit(resume=True)
     for a, b in zip(straight.policy.state_dict().values(), resumed.policy.state_dict().values()):
         assert torch.equal(a, b)
-    ipo = DPOTrainer(dpo_cfg(tmp_path, "dpo.loss_type=ipo", "dpo.steps=1", out="ipo")).fit()
+    ipo = DPOTrainer(dpo_cfg(tmp_path, rt, "dpo.loss_type=ipo", "dpo.steps=1", out="ipo")).fit()
     assert ipo["last"]["loss"] == pytest.approx((1 / (2 * 0.1)) ** 2, rel=1e-4)
