@@ -86,3 +86,6 @@ if __name__ == "__main__":
     else:  # mode "run": real sampling, checkpoints; resumes when a checkpoint exists
         t = PPOTrainer(config(out, *sys.argv[3:]))
         t.fit(resume=True)
+    from rlhflab.distributed import shutdown_distributed
+
+    shutdown_distributed()  # as the CLI does: no live gloo group at interpreter exit

@@ -210,10 +210,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        return COMMANDS[args.command](args)
+        code = COMMANDS[args.command](args)
     except user_errors() as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    from rlhflab.distributed import shutdown_distributed
+
+    shutdown_distributed()  # under torchrun: leave the process group before exiting
+    return code
 
 
 if __name__ == "__main__":

@@ -87,6 +87,15 @@ def init_distributed(device_name: str = "auto") -> DistContext:
     return DistContext(rank, world, local, device)
 
 
+def shutdown_distributed() -> None:
+    """Leave the process group at the end of a run: every rank waits for the others, then
+    destroys it. Exiting with a live gloo group can abort a rank at interpreter shutdown
+    ("terminate called without an active exception", SIGABRT) after all work is done."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def global_moments(x: torch.Tensor, mask: torch.Tensor, ctx: DistContext):
     """Masked mean and unbiased variance of ``x`` over every rank's selected elements."""
     m = mask.bool()
