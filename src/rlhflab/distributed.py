@@ -90,7 +90,7 @@ def init_distributed(device_name: str = "auto") -> DistContext:
 def shutdown_distributed() -> None:
     """Leave the process group at the end of a run: every rank waits for the others, then
     destroys it. Exiting with a live gloo group can abort a rank at interpreter shutdown
-    ("terminate called without an active exception", SIGABRT) after all work is done."""
+    ("terminate called without an active exception", SIGABRT)."""
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
