@@ -26,7 +26,8 @@ def torchrun(n, *args):
         *args,
     ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    # both ranks' output, not only torchrun's summary at the end: where a rank failed
+    assert done.returncode == 0, (done.stdout[-4000:], done.stderr[-12000:])
     return done
 
 
