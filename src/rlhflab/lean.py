@@ -117,6 +117,14 @@ class _SwiGLUDownFn(torch.autograd.Function):
         return grad_gate, grad_up, grad_w, grad_b
 
 
+def rms_norm_plain(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Llama RMSNorm expression (float32 for 16-bit x), for forwards without
+    grad and for the native runtime's own norm: autograd keeps what it keeps."""
+    xc = x.to(_compute_dtype(x.dtype))
+    xc = xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xc.to(x.dtype)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Llama RMSNorm of x (..., H) with weight (H,), keeping only x and rstd (..., 1)."""
     return _RMSNormFn.apply(x, weight, eps)
@@ -141,9 +149,7 @@ class LeanRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
             return rms_norm(x, self.weight, self.variance_epsilon)
-        xc = x.to(_compute_dtype(x.dtype))  # transformers' expression (float32 for it)
-        xc = xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * xc.to(x.dtype)
+        return rms_norm_plain(x, self.weight, self.variance_epsilon)
 
 
 class LeanSwiGLU(nn.Module):

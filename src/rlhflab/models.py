@@ -131,14 +131,17 @@ def _check_runtime(runtime: str, trust_remote_code: bool) -> None:
         )
 
 
-def _load_native(path, kind: str, **kwargs):
+def _load_native(path, kind: str, tokenizer, **kwargs):
+    """A native model, fitted to the tokenizer and without dropout, as the loaders return."""
     from rlhflab.native import NativeConfigError
     from rlhflab.native_models import load_native
 
     try:
-        return load_native(path, kind, **kwargs)
+        model = load_native(path, kind, **kwargs)
     except NativeConfigError as exc:
         raise ModelLoadError(str(exc)) from None
+    _fit_vocab(model, tokenizer)
+    return disable_dropout(model)
 
 
 def load_causal_lm(
@@ -151,9 +154,7 @@ def load_causal_lm(
     """A causal LM from a local folder, through transformers or rlhflab's native runtime."""
     _check_runtime(runtime, trust_remote_code)
     if runtime == "native":
-        model = _load_native(path, "causal", dtype=dtype)
-        _fit_vocab(model, tokenizer)
-        return disable_dropout(model)
+        return _load_native(path, "causal", tokenizer, dtype=dtype)
     from transformers import AutoModelForCausalLM
 
     quiet_transformers()
@@ -180,9 +181,7 @@ def load_sequence_classifier(
     """
     _check_runtime(runtime, trust_remote_code)
     if runtime == "native":
-        model = _load_native(path, "classifier", num_labels=num_labels)
-        _fit_vocab(model, tokenizer)
-        return disable_dropout(model)
+        return _load_native(path, "classifier", tokenizer, num_labels=num_labels)
     from transformers import AutoModelForSequenceClassification
 
     quiet_transformers()

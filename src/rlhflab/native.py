@@ -35,6 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from rlhflab.lean import rms_norm_plain
+
 SUPPORTED_MODEL_TYPES = ("llama",)
 
 
@@ -110,9 +112,7 @@ class NativeRMSNorm(nn.Module):
         self.variance_epsilon = eps  # the name lean.make_activations_lean looks for
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xc = x.to(torch.promote_types(x.dtype, torch.float32))
-        xc = xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * xc.to(x.dtype)
+        return rms_norm_plain(x, self.weight, self.variance_epsilon)
 
 
 class NativeMLP(nn.Module):

@@ -24,6 +24,13 @@ from rlhflab.native import (
 )
 
 
+def _grown_rows(weight: torch.Tensor, n: int) -> torch.Tensor:
+    """``weight`` (V, H) with rows appended up to n, each the mean of the old rows."""
+    with torch.no_grad():
+        extra = weight.mean(0, keepdim=True).expand(n - weight.shape[0], -1)
+        return torch.cat([weight.detach(), extra])
+
+
 class _NativePreTrained(nn.Module):
     """What rlhflab asks of a transformers model: ``base_model``, the embeddings, resizing,
     checkpointing switches and ``save_pretrained`` (transformers-compatible files)."""
@@ -54,10 +61,7 @@ class _NativePreTrained(nn.Module):
             raise ValueError(
                 f"resize_token_embeddings: {n} is not larger than {old.num_embeddings}"
             )
-        new = nn.Embedding(n, old.embedding_dim, dtype=old.weight.dtype, device=old.weight.device)
-        with torch.no_grad():
-            new.weight[: old.num_embeddings] = old.weight
-            new.weight[old.num_embeddings :] = old.weight.mean(0)
+        new = nn.Embedding.from_pretrained(_grown_rows(old.weight, n), freeze=False)
         self.model.embed_tokens = new
         self.config.vocab_size = n
         return new
@@ -112,13 +116,10 @@ class NativeLlamaForCausalLM(_NativePreTrained):
             self.lm_head = nn.Linear(new.embedding_dim, n, bias=False, device=new.weight.device)
             self.tie_weights()
         else:
-            old = self.lm_head
-            self.lm_head = nn.Linear(
-                old.in_features, n, bias=False, dtype=old.weight.dtype, device=old.weight.device
-            )
-            with torch.no_grad():
-                self.lm_head.weight[: old.out_features] = old.weight
-                self.lm_head.weight[old.out_features :] = old.weight.mean(0)
+            weight = _grown_rows(self.lm_head.weight, n)
+            with _uninitialised():  # the weight is replaced at once
+                self.lm_head = nn.Linear(weight.shape[1], n, bias=False, device=weight.device)
+            self.lm_head.weight = nn.Parameter(weight)
         return new
 
     def forward(
