@@ -183,6 +183,12 @@ def run_rlhflab(
             "gamma": 1.0,
             "lam": 0.95,
             "whiten_rewards": False,
+            # TRL 1.12's PPOTrainer steps without clipping the gradient norm
+            # (trl/experimental/ppo/ppo_trainer.py: backward, then optimizer.step()), so no
+            # clip here either; which in turn lets AdamW run inside the backward (same
+            # updates, no full set of gradients held: docs/benchmarks.md)
+            "max_grad_norm": None,
+            "step_in_backward": True,
         },
         "data": {"prompts": str(folder / "prompts.jsonl")},
         "log": {

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from rlhflab.optim import FusedAdamW, LambdaSchedule
+from rlhflab.optim import FusedAdamW, LambdaSchedule, UpdateInBackward
 from rlhflab.trainers.common import lr_factor
 
 
@@ -79,3 +79,52 @@ def test_unsupported_parameters_are_refused():
     opt = FusedAdamW([p])
     with pytest.raises(ValueError, match="groups do not match"):
         opt.load_state_dict({"state": {}, "param_groups": [{"params": [0, 1]}]})
+
+
+def test_update_in_backward_matches_step_after_backward_and_holds_one_gradient():
+    """Stepping each tensor from its post-accumulate hook gives bit-identical weights and
+    moments to backward-then-step(), and no two gradients are alive at once."""
+    a, b = _params(), _params()
+    opt_a, opt_b = FusedAdamW(_groups(a), eps=1e-5), FusedAdamW(_groups(b), eps=1e-5)
+    alive = []
+    for p in b:  # registered first, so it runs just before the update: gradients alive now
+        p.register_post_accumulate_grad_hook(
+            lambda _p: alive.append(sum(q.grad is not None for q in b))
+        )
+    with UpdateInBackward([opt_b]) as upd:
+        for step in range(4):
+            g = torch.Generator().manual_seed(step)
+            xs = [torch.randn(p.shape, generator=g) for p in a]
+            sum(((p * x).sum() ** 2 for p, x in zip(a, xs))).backward()
+            opt_a.step()
+            opt_a.zero_grad()
+            sum(((p * x).sum() ** 2 for p, x in zip(b, xs))).backward()
+            assert all(p.grad is None for p in b)
+            assert not bool(upd.found_inf)
+    assert alive and max(alive) == 1
+    for p, q in zip(a, b):
+        assert torch.equal(p, q)
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(opt_a.state[p][key], opt_b.state[q][key])
+
+
+def test_update_in_backward_leaves_a_tensor_with_a_non_finite_gradient_alone():
+    ps = _params()
+    opt = FusedAdamW(_groups(ps))
+    before = [p.detach().clone() for p in ps]
+    with UpdateInBackward([opt]) as upd:
+        (ps[0].sum() * float("nan") + ps[1].sum() + ps[2].sum()).backward()
+    assert bool(upd.found_inf)
+    assert torch.equal(ps[0], before[0])
+    assert opt.state[ps[0]]["step"].item() == 0 and not opt.state[ps[0]]["exp_avg"].any()
+    assert not torch.equal(ps[1], before[1]) and opt.state[ps[1]]["step"].item() == 1
+    # leaving the context removes the hooks: a plain backward keeps its gradient
+    ps[1].sum().backward()
+    assert ps[1].grad is not None
+
+
+def test_update_in_backward_needs_fused_adamw():
+    ps = _params()
+    with pytest.raises(TypeError, match="FusedAdamW"):
+        with UpdateInBackward([torch.optim.SGD(ps, lr=0.1)]):
+            pass

@@ -110,6 +110,54 @@ def test_resume_is_bit_identical(tmp_path):
     assert strip(ma) == strip(mb)
 
 
+@pytest.mark.parametrize("layout", ["separate", "shared"])
+def test_step_in_backward_trains_bit_identically(tmp_path, layout):
+    """ppo.step_in_backward changes when AdamW runs, not what it computes."""
+    runs = []
+    for flag in (False, True):
+        t = PPOTrainer(
+            make_cfg(
+                tmp_path,
+                f"log.output_dir={tmp_path / str(flag)}",
+                f"model.value_model={layout}",
+                "ppo.iterations=2",
+                "ppo.max_grad_norm=null",
+                f"ppo.step_in_backward={str(flag).lower()}",
+            )
+        )
+        if flag:  # the updates must come from the backward hooks, never from step()
+            for opt in (t.opt, t.critic_opt):
+                if opt is not None:
+                    opt.step = lambda: pytest.fail("optimizer.step() ran")
+        t.fit()
+        runs.append(t)
+    plain, fused = runs
+    models = [("policy", lambda t: t.cast.policy)]
+    if layout == "separate":
+        models.append(("critic", lambda t: t.cast.critic))
+    for _name, get in models:
+        for a, b in zip(get(plain).state_dict().values(), get(fused).state_dict().values()):
+            assert torch.equal(a, b)
+    # 2 iterations × 2 epochs × 2 minibatches, each one update of every tensor
+    assert fused.opt.state_dict()["state"][0]["step"].item() == 8
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows]  # noqa: E731
+    assert strip(read_jsonl(tmp_path / "False" / "metrics.jsonl")) == strip(
+        read_jsonl(tmp_path / "True" / "metrics.jsonl")
+    )
+
+
+def test_step_in_backward_refuses_what_needs_every_gradient_first(tmp_path):
+    with pytest.raises(ConfigError, match=r"ppo\.step_in_backward.*max_grad_norm"):
+        make_cfg(tmp_path, "ppo.step_in_backward=true")
+    with pytest.raises(ConfigError, match=r"ppo\.step_in_backward.*micro_batch_size"):
+        make_cfg(
+            tmp_path,
+            "ppo.step_in_backward=true",
+            "ppo.max_grad_norm=null",
+            "ppo.micro_batch_size=2",
+        )
+
+
 def test_checkpoint_is_a_loadable_hf_folder_and_keeps_last_k(tmp_path):
     from transformers import AutoModelForCausalLM
 

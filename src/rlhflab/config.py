@@ -188,6 +188,17 @@ class PPOConfig:
         "take the old log-probs and entropy from it (ratio exactly 1) instead of a separate "
         "no-grad policy forward while scoring, as TRL does. Ignored in every other case.",
     )
+    step_in_backward: bool = setting(
+        False,
+        "Update each weight with AdamW as soon as its gradient is complete in the backward "
+        "pass and free that gradient, so a trained model's gradients are never all held "
+        "at once (at 25M parameters: −200 MiB peak with a separate critic, "
+        "docs/benchmarks.md). Same updates bit for bit. Needs max_grad_norm null (a global "
+        "clip needs every gradient first), one micro-batch per minibatch and a single "
+        "process. The guard then holds back only tensors whose gradient is not finite (the "
+        "rest are already updated), and a non-finite value loss skips only the critic's "
+        "update (the policy's was applied in its backward).",
+    )
     micro_batch_size: int | None = setting(
         None,
         "Gradient-accumulation chunk (sequences); None = the whole minibatch. Results do "
@@ -568,6 +579,18 @@ def validate(cfg: Config, stage: str = "ppo") -> Config:
             f"ppo.micro_batch_size: {cfg.ppo.micro_batch_size} does not divide the minibatch "
             f"of {mb} answers"
         )
+    if cfg.ppo.step_in_backward:
+        if cfg.ppo.max_grad_norm is not None:
+            raise ConfigError(
+                "ppo.step_in_backward: a global gradient-norm clip needs every gradient before "
+                f"any update; set ppo.max_grad_norm to null (it is {cfg.ppo.max_grad_norm})"
+            )
+        if cfg.ppo.micro_batch_size is not None and cfg.ppo.micro_batch_size != mb:
+            raise ConfigError(
+                "ppo.step_in_backward: gradients accumulated over micro-batches "
+                f"(ppo.micro_batch_size={cfg.ppo.micro_batch_size} < minibatch of {mb}) "
+                "cannot be applied during the backward; set micro_batch_size to null"
+            )
     if cfg.model.value_model == "from_reward" and not cfg.reward.model:
         raise ConfigError("model.value_model: 'from_reward' needs reward.model to be set")
     if cfg.model.critic and cfg.model.value_model not in ("separate", "auto"):

@@ -53,6 +53,7 @@ class FusedAdamW:
         )
         self.param_groups = [{**self.defaults, **g, "params": list(g["params"])} for g in groups]
         self.state: dict[torch.Tensor, dict] = {}
+        self._groups_by_param: dict[int, dict] | None = None
         seen = set()
         for g in self.param_groups:
             if g.get("amsgrad") or g.get("maximize"):
@@ -112,6 +113,44 @@ class FusedAdamW:
                     found_inf=None,
                 )
 
+    @torch.no_grad()
+    def step_param(self, p: torch.Tensor, found_inf: torch.Tensor | None = None) -> None:
+        """Update the single parameter ``p`` from its gradient, with its group's settings —
+        the same kernel and arithmetic as :meth:`step` (which treats each tensor on its
+        own), so stepping every parameter this way gives bit-identical weights. With
+        ``found_inf`` (a 0-dim float tensor, 1.0 = skip) the kernel leaves the weight, its
+        moments and its step count as they were, without a host sync."""
+        group = self._group_of().get(id(p))
+        if group is None:
+            raise ValueError("FusedAdamW.step_param: the tensor is not one of its parameters")
+        st = self._state_of(p)
+        st["step"].add_(1)
+        beta1, beta2 = group["betas"]
+        torch._fused_adamw_(
+            [p],
+            [p.grad],
+            [st["exp_avg"]],
+            [st["exp_avg_sq"]],
+            [],
+            [st["step"]],
+            amsgrad=False,
+            lr=group["lr"],
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+            grad_scale=None,
+            found_inf=found_inf,
+        )
+        if found_inf is not None:
+            st["step"].sub_(found_inf)
+
+    def _group_of(self) -> dict[int, dict]:
+        if self._groups_by_param is None:
+            self._groups_by_param = {id(q): g for g in self.param_groups for q in g["params"]}
+        return self._groups_by_param
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         for g in self.param_groups:
             for p in g["params"]:
@@ -153,6 +192,55 @@ class FusedAdamW:
                     "exp_avg": st["exp_avg"].to(p.device, p.dtype).clone(),
                     "exp_avg_sq": st["exp_avg_sq"].to(p.device, p.dtype).clone(),
                 }
+
+
+class UpdateInBackward:
+    """While active, each parameter of the given :class:`FusedAdamW` optimisers is updated
+    as soon as its gradient is complete in the backward pass, and the gradient is dropped
+    at once: the trained models' gradients are never all alive together (the pattern of
+    PyTorch's tutorial "How to save memory by fusing the optimizer step into the backward
+    pass"). Same updates bit for bit as backward-then-``step()``, provided each parameter
+    gets its whole gradient from one backward (no accumulation over micro-batches) and
+    nothing needs every gradient before the update (no global-norm clipping).
+
+    A parameter whose gradient is not finite is left as it was (its moments and step
+    count too); :attr:`found_inf` (0-dim bool tensor) says whether that happened since
+    :meth:`reset`, read once per update rather than once per tensor.
+    """
+
+    def __init__(self, optimizers: Iterable[FusedAdamW]):
+        self.optimizers = [o for o in optimizers if o is not None]
+        self.handles: list = []
+        self.found_inf: torch.Tensor | None = None
+
+    def __enter__(self) -> UpdateInBackward:
+        for opt in self.optimizers:
+            if not isinstance(opt, FusedAdamW):
+                raise TypeError(
+                    f"UpdateInBackward needs rlhflab's FusedAdamW, not {type(opt).__name__}"
+                )
+            for g in opt.param_groups:
+                for p in g["params"]:
+                    self.handles.append(p.register_post_accumulate_grad_hook(self._hook(opt)))
+        self.reset()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    def reset(self) -> None:
+        self.found_inf = None
+
+    def _hook(self, opt: FusedAdamW):
+        def update(p: torch.Tensor) -> None:
+            bad = ~torch.isfinite(p.grad).all()
+            opt.step_param(p, found_inf=bad.float())
+            self.found_inf = bad if self.found_inf is None else self.found_inf | bad
+            p.grad = None
+
+        return update
 
 
 class LambdaSchedule:

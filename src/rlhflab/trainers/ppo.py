@@ -144,6 +144,7 @@ class PPOTrainer(PPOEpochs, CheckpointedRun):
         self.run_dir = Path(cfg.log.output_dir)
         self.first_minibatch: dict[str, float] | None = None
         self.reuse_filled: torch.Tensor | None = None  # step 8 filling old log-probs
+        self.in_backward = None  # step 8's UpdateInBackward under ppo.step_in_backward
         self.callbacks: list = []  # called as cb(trainer, rollout, metrics) after step 9
         self.stop_reason: str | None = None
         self._check_batch()
@@ -156,6 +157,11 @@ class PPOTrainer(PPOEpochs, CheckpointedRun):
             raise ConfigError(
                 f"rollout.prompts_per_iteration: {cfg.rollout.prompts_per_iteration}"
                 f" answers do not split over {ctx.world} ranks"
+            )
+        if ctx.enabled and cfg.ppo.step_in_backward:
+            raise ConfigError(
+                "ppo.step_in_backward: with several processes the gradients are averaged "
+                "across ranks after the backward; updating during it is single-process only"
             )
         if ctx.enabled and strategy == "fsdp" and cfg.model.lora_r:
             raise ConfigError("dist.strategy: LoRA with fsdp is not supported; use ddp")

@@ -8,6 +8,7 @@ that skips an update whose loss or gradient is not finite.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 
@@ -15,6 +16,7 @@ import torch
 
 from rlhflab import algorithms as A
 from rlhflab.distributed import accumulate
+from rlhflab.optim import UpdateInBackward
 from rlhflab.rollout import Rollout, policy_outputs, response_slice
 from rlhflab.trainers.common import TrainingHalted
 
@@ -29,19 +31,33 @@ class PPOEpochs:
         B = len(ro)
         mb_size = B // p.minibatches
         micro = p.micro_batch_size or mb_size
-        seqs, attn = ro.sequences, ro.attention_mask
-        P = ro.prompt_ids.shape[1]
         cast.policy.train()
         if cast.critic is not None:
             cast.critic.train()
         stats: dict[str, list[float]] = {}
-        ratio_max = 0.0
         if ro.old_logprobs is None:  # ppo.reuse_training_forward: this forward supplies them
             ro.old_logprobs = torch.zeros_like(ro.ref_logprobs)
             ro.entropy = torch.zeros_like(ro.ref_logprobs)
             self.reuse_filled = torch.zeros(B, dtype=torch.bool, device=ro.ref_logprobs.device)
         else:
             self.reuse_filled = None
+        # ppo.step_in_backward: AdamW runs inside each backward, tensor by tensor
+        self.in_backward = None
+        if p.step_in_backward:
+            self.in_backward = UpdateInBackward((self.opt, self.critic_opt))
+        with self.in_backward or contextlib.nullcontext():
+            self._epoch_loop(ro, advantages, returns, beta, stats, B, mb_size, micro)
+        out = {k: sum(v) / len(v) for k, v in stats.items()}
+        out["policy/ratio_max"] = self.ratio_max
+        if p.dual_clip is None:
+            out.pop("policy/dual_clipfrac", None)
+        return out
+
+    def _epoch_loop(self, ro, advantages, returns, beta, stats, B, mb_size, micro) -> None:
+        p, cast = self.cfg.ppo, self.cast
+        seqs, attn = ro.sequences, ro.attention_mask
+        P = ro.prompt_ids.shape[1]
+        self.ratio_max = 0.0
         for _epoch in range(p.epochs):
             order = torch.randperm(B, generator=self.gens["shuffle"]).to(self.device)
             for start in range(0, B, mb_size):
@@ -89,17 +105,12 @@ class PPOEpochs:
                         mb_stats[k] = mb_stats.get(k, 0.0) + (
                             v if k.endswith("loss") else v * share
                         )
-                    ratio_max = max(ratio_max, pg_stats["ratio_max"].item())
+                    self.ratio_max = max(self.ratio_max, pg_stats["ratio_max"].item())
                 if self._apply_update(finite):
                     if self.first_minibatch is None:
                         self.first_minibatch = dict(mb_stats)
                     for k, v in mb_stats.items():
                         stats.setdefault(k, []).append(v)
-        out = {k: sum(v) / len(v) for k, v in stats.items()}
-        out["policy/ratio_max"] = ratio_max
-        if p.dual_clip is None:
-            out.pop("policy/dual_clipfrac", None)
-        return out
 
     def _micro_loss(self, ro, i, m, advantages, returns, beta, agg, seqs, attn, P):
         """Policy loss (+ KL-in-loss, − entropy bonus) of one micro-batch, plus the value loss
@@ -164,6 +175,8 @@ class PPOEpochs:
         """Clip and step, unless the loss or a gradient is not finite (then skip and count)."""
         p = self.cfg.ppo
         cause = None if loss_finite else "loss"
+        if self.in_backward is not None:  # the optimisers already ran, inside the backward
+            return self._finish_update_in_backward(cause)
         if cause is None:
             params = self._trainable()
             norm = torch.nn.utils.clip_grad_norm_(
@@ -184,6 +197,25 @@ class PPOEpochs:
                 opt.step()
                 sched.step()
                 opt.zero_grad(set_to_none=True)
+        self.consecutive_bad = 0
+        return True
+
+    def _finish_update_in_backward(self, cause: str | None) -> bool:
+        """ppo.step_in_backward: every tensor with a finite gradient has been updated;
+        count the update as skipped if a loss or a gradient was not finite."""
+        found_inf = self.in_backward.found_inf
+        self.in_backward.reset()
+        if cause is None and found_inf is not None and bool(found_inf):
+            cause = "gradient"
+        for opt in (self.opt, self.critic_opt):
+            if opt is not None:  # gradients left by an interrupted micro-batch
+                opt.zero_grad(set_to_none=True)
+        if cause is not None:
+            self._bad_update(cause)
+            return False
+        for sched in (self.sched, self.critic_sched):
+            if sched is not None:
+                sched.step()
         self.consecutive_bad = 0
         return True
 
