@@ -16,7 +16,10 @@ second, peak resident memory (VmHWM of the worker), achieved GFLOP/s of useful w
 A second table runs rlhflab with the recommended levers (shared policy/value backbone,
 int8 reference and reward model). rlhflab runs with ``model.runtime=native`` (its own Llama
 forward and AdamW over the same files: same arithmetic, fewer imports); ``--runtime
-transformers`` runs it on transformers' classes instead. The last lines are ``time ratio <size>: X``,
+transformers`` runs it on transformers' classes instead. rlhflab's worker starts on the
+allocator the ``rlhflab`` command starts on (``--allocator auto``: mimalloc where installed,
+rlhflab/allocator.py), TRL's on the system's; ``--trl-allocator mimalloc`` runs TRL on the
+same library, to tell the allocator's share from the rest. The last lines are ``time ratio <size>: X``,
 ``memory ratio <size>: Y`` and ``time ratio 25M with levers: Z``.
 
     python benchmarks/vs_trl.py --setup                 # once: TRL's own environment
@@ -148,6 +151,11 @@ def _peak_rss_mib() -> float:
     return float("nan")
 
 
+def _allocator_in_use() -> str:
+    with open("/proc/self/maps") as f:  # rlhflab.allocator.in_use, for TRL's venv too
+        return "mimalloc" if "libmimalloc" in f.read() else "system"
+
+
 def run_rlhflab(
     folder: Path, answer: int, iterations: int, levers: bool, runtime: str = "native"
 ) -> dict:
@@ -217,7 +225,13 @@ def timed_fit(trainer) -> dict:
     )
     start = time.perf_counter()
     trainer.fit()
-    return {"start": start, "ticks": ticks, "gen_tps": gen, "peak_mib": _peak_rss_mib()}
+    return {
+        "start": start,
+        "ticks": ticks,
+        "gen_tps": gen,
+        "peak_mib": _peak_rss_mib(),
+        "allocator": _allocator_in_use(),
+    }
 
 
 def run_trl(folder: Path, answer: int, iterations: int) -> dict:
@@ -297,7 +311,13 @@ def run_trl(folder: Path, answer: int, iterations: int) -> dict:
     )
     start = time.perf_counter()
     trainer.train()
-    return {"start": start, "ticks": ticks, "gen_tps": gen, "peak_mib": _peak_rss_mib()}
+    return {
+        "start": start,
+        "ticks": ticks,
+        "gen_tps": gen,
+        "peak_mib": _peak_rss_mib(),
+        "allocator": _allocator_in_use(),
+    }
 
 
 def worker_main(argv: list[str]) -> None:
@@ -353,14 +373,25 @@ def matmul_ceiling(size: str, prompt_tokens: int) -> float:
 
 # ------------------------------------------------------------------------------ the driver
 def run_side(
-    python: str, side: str, folder: Path, size: str, iterations: int, runtime: str = "native"
+    python: str,
+    side: str,
+    folder: Path,
+    size: str,
+    iterations: int,
+    runtime: str = "native",
+    allocator: str = "system",
 ) -> dict:
+    from rlhflab.allocator import environment
+
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
         "MKL_NUM_THREADS": "1",
         "TOKENIZERS_PARALLELISM": "false",
     }
+    # the malloc the worker starts on: rlhflab's command starts on mimalloc where installed
+    # (rlhflab/allocator.py); TRL on the system's unless --trl-allocator says otherwise
+    env = environment(allocator, env)
     env["PYTHONPATH"] = str(HERE.parent / "src") if side != "trl" else ""
     cmd = [
         python,
@@ -392,6 +423,7 @@ def summarise(runs: list[dict], warmup: int) -> dict:
         "spread": (min(secs), max(secs)),
         "gen_tps": statistics.median(gen),
         "peak_mib": max(r["peak_mib"] for r in runs),
+        "allocator": sorted({r.get("allocator", "?") for r in runs}),
     }
 
 
@@ -412,6 +444,20 @@ def main() -> None:
         choices=("native", "transformers"),
         help="rlhflab's model.runtime (native: its own Llama forward; transformers: HF's)",
     )
+    ap.add_argument(
+        "--allocator",
+        default="auto",
+        choices=("auto", "mimalloc", "system"),
+        help="malloc of rlhflab's worker; auto = what the rlhflab command uses (mimalloc "
+        "where installed)",
+    )
+    ap.add_argument(
+        "--trl-allocator",
+        default="system",
+        choices=("auto", "mimalloc", "system"),
+        help="malloc of TRL's worker (mimalloc: the same library, to separate the "
+        "allocator's share from rlhflab's)",
+    )
     args = ap.parse_args()
     work = Path(args.work)
     trl_py = str(setup_trl_env(work / f"trl-{TRL_VERSION}"))
@@ -424,10 +470,13 @@ def main() -> None:
         folder = build_models(size, work / f"models-{size}")
         runs: dict[str, list] = {"rlhflab": [], "trl": [], "rlhflab-levers": []}
         for _ in range(args.rounds):  # A B A B
-            runs["rlhflab"].append(run_side(ours, "rlhflab", folder, size, total, args.runtime))
-            runs["trl"].append(run_side(trl_py, "trl", folder, size, total))
+            rt, ours_alloc = args.runtime, args.allocator
+            runs["rlhflab"].append(run_side(ours, "rlhflab", folder, size, total, rt, ours_alloc))
+            runs["trl"].append(
+                run_side(trl_py, "trl", folder, size, total, allocator=args.trl_allocator)
+            )
             if not args.no_levers:
-                lever_run = run_side(ours, "rlhflab-levers", folder, size, total, args.runtime)
+                lever_run = run_side(ours, "rlhflab-levers", folder, size, total, rt, ours_alloc)
                 runs["rlhflab-levers"].append(lever_run)
         prompt_tokens = prompt_length(folder)
         flops = useful_flops(size, prompt_tokens)
@@ -439,7 +488,17 @@ def main() -> None:
         row["flops_per_it"] = flops
         results[size] = row
         print(format_size(size, row), flush=True)
-    (work / "results.json").write_text(json.dumps({"runtime": args.runtime, **results}, indent=2))
+    (work / "results.json").write_text(
+        json.dumps(
+            {
+                "runtime": args.runtime,
+                "allocator": args.allocator,
+                "trl_allocator": args.trl_allocator,
+                **results,
+            },
+            indent=2,
+        )
+    )
     print()
     for size, row in results.items():
         print(f"time ratio {size}: {row['rlhflab']['s_per_it'] / row['trl']['s_per_it']:.3f}")

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+
+from rlhflab.allocator import CHOICES, ENV_CHOICE, AllocatorError, in_use, restart_under
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -23,6 +26,13 @@ def build_parser() -> argparse.ArgumentParser:
         prog="rlhflab", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--version", action="store_true", help="print the version and exit")
+    parser.add_argument(
+        "--allocator",
+        choices=CHOICES,
+        default=os.environ.get(ENV_CHOICE, "auto"),
+        help="malloc of this process (default: $RLHFLAB_ALLOCATOR or auto = mimalloc where "
+        "installed, Linux only; it fragments less under PPO: docs/memory.md)",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _config_args(sub.add_parser("memory", help="bytes of each model in the configured cast"))
     sub.add_parser("config", help="print every PPO config field with its default and why")
@@ -208,7 +218,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
+    if argv is None:  # the real command line, not a call from Python: may restart itself
+        try:
+            restart_under(args.allocator, sys.argv[1:])
+        except AllocatorError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger(__name__).info("allocator: %s", in_use())
     try:
         code = COMMANDS[args.command](args)
     except user_errors() as exc:
