@@ -151,6 +151,17 @@ def _peak_rss_mib() -> float:
     return float("nan")
 
 
+def _worker_result(start: float, ticks: list, gen: list) -> dict:
+    """What a worker reports: iteration end times, sampling speed, peak RSS, its malloc."""
+    return {
+        "start": start,
+        "ticks": ticks,
+        "gen_tps": gen,
+        "peak_mib": _peak_rss_mib(),
+        "allocator": _allocator_in_use(),
+    }
+
+
 def _allocator_in_use() -> str:
     with open("/proc/self/maps") as f:  # rlhflab.allocator.in_use, for TRL's venv too
         return "mimalloc" if "libmimalloc" in f.read() else "system"
@@ -225,13 +236,7 @@ def timed_fit(trainer) -> dict:
     )
     start = time.perf_counter()
     trainer.fit()
-    return {
-        "start": start,
-        "ticks": ticks,
-        "gen_tps": gen,
-        "peak_mib": _peak_rss_mib(),
-        "allocator": _allocator_in_use(),
-    }
+    return _worker_result(start, ticks, gen)
 
 
 def run_trl(folder: Path, answer: int, iterations: int) -> dict:
@@ -311,13 +316,7 @@ def run_trl(folder: Path, answer: int, iterations: int) -> dict:
     )
     start = time.perf_counter()
     trainer.train()
-    return {
-        "start": start,
-        "ticks": ticks,
-        "gen_tps": gen,
-        "peak_mib": _peak_rss_mib(),
-        "allocator": _allocator_in_use(),
-    }
+    return _worker_result(start, ticks, gen)
 
 
 def worker_main(argv: list[str]) -> None:

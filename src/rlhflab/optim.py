@@ -92,26 +92,9 @@ class FusedAdamW:
                 lists = buckets.setdefault((p.device, p.dtype), ([], [], [], [], []))
                 for lst, t in zip(lists, (p, p.grad, st["exp_avg"], st["exp_avg_sq"], st["step"])):
                     lst.append(t)
-            beta1, beta2 = g["betas"]
             for params, grads, avgs, sqs, steps in buckets.values():
                 torch._foreach_add_(steps, 1)
-                torch._fused_adamw_(
-                    params,
-                    grads,
-                    avgs,
-                    sqs,
-                    [],
-                    steps,
-                    amsgrad=False,
-                    lr=g["lr"],
-                    beta1=beta1,
-                    beta2=beta2,
-                    weight_decay=g["weight_decay"],
-                    eps=g["eps"],
-                    maximize=False,
-                    grad_scale=None,
-                    found_inf=None,
-                )
+                _fused_update(g, params, grads, avgs, sqs, steps)
 
     @torch.no_grad()
     def step_param(self, p: torch.Tensor, found_inf: torch.Tensor | None = None) -> None:
@@ -125,23 +108,8 @@ class FusedAdamW:
             raise ValueError("FusedAdamW.step_param: the tensor is not one of its parameters")
         st = self._state_of(p)
         st["step"].add_(1)
-        beta1, beta2 = group["betas"]
-        torch._fused_adamw_(
-            [p],
-            [p.grad],
-            [st["exp_avg"]],
-            [st["exp_avg_sq"]],
-            [],
-            [st["step"]],
-            amsgrad=False,
-            lr=group["lr"],
-            beta1=beta1,
-            beta2=beta2,
-            weight_decay=group["weight_decay"],
-            eps=group["eps"],
-            maximize=False,
-            grad_scale=None,
-            found_inf=found_inf,
+        _fused_update(
+            group, [p], [p.grad], [st["exp_avg"]], [st["exp_avg_sq"]], [st["step"]], found_inf
         )
         if found_inf is not None:
             st["step"].sub_(found_inf)
@@ -192,6 +160,29 @@ class FusedAdamW:
                     "exp_avg": st["exp_avg"].to(p.device, p.dtype).clone(),
                     "exp_avg_sq": st["exp_avg_sq"].to(p.device, p.dtype).clone(),
                 }
+
+
+def _fused_update(group: dict, params, grads, avgs, sqs, steps, found_inf=None) -> None:
+    """torch's fused AdamW kernel over same-device, same-dtype lists, with ``group``'s
+    settings; ``steps`` already counts this update."""
+    beta1, beta2 = group["betas"]
+    torch._fused_adamw_(
+        params,
+        grads,
+        avgs,
+        sqs,
+        [],
+        steps,
+        amsgrad=False,
+        lr=group["lr"],
+        beta1=beta1,
+        beta2=beta2,
+        weight_decay=group["weight_decay"],
+        eps=group["eps"],
+        maximize=False,
+        grad_scale=None,
+        found_inf=found_inf,
+    )
 
 
 class UpdateInBackward:
