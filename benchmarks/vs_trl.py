@@ -190,6 +190,10 @@ def run_rlhflab(
             "max_new_tokens": answer,
             "ignore_eos": True,
             "temperature": 1.0,
+            # TRL 1.12 takes the policy's old log-probs from the generation logits
+            # (ppo_trainer.py: logprob = selective_log_softmax(logitss[...], response)), with
+            # no policy forward after sampling; the same here
+            "logprobs_from_sampling": True,
         },
         "ppo": {
             "iterations": iterations,

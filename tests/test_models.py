@@ -214,7 +214,7 @@ def test_separate_critic_must_share_the_tokenizer(foreign_rm, tmp_path):
 
 
 def test_ignore_eos_samples_full_length_even_when_eos_is_certain():
-    from rlhflab.rollout import sample
+    from rlhflab.sampling import sample
 
     path = M.resolve_path("preset:nano")
     tok = M.load_tokenizer(path)

@@ -87,7 +87,7 @@ def test_cached_decoding_equals_one_full_forward(gqa_folder):
 
 def test_sampler_draws_the_same_answers_as_with_transformers():
     """Same seed, same prompts: the samplers agree token for token (fp64 removes ties)."""
-    from rlhflab.rollout import sample
+    from rlhflab.sampling import sample
 
     folder = preset_path("nano")
     tok = M.load_tokenizer(folder)

@@ -110,10 +110,10 @@ def test_resume_is_bit_identical(tmp_path):
     assert strip(ma) == strip(mb)
 
 
-@pytest.mark.parametrize("layout", ["separate", "shared"])
-def test_step_in_backward_trains_bit_identically(tmp_path, layout):
-    """ppo.step_in_backward changes when AdamW runs, not what it computes."""
-    runs = []
+def _switch_pair(tmp_path, layout, switch, *overrides, arm=None):
+    """Two 2-iteration runs, ``switch`` false then true; ``arm(trainer)`` prepares the second
+    before it trains. Returns the two trainers and their metrics rows without timings."""
+    runs, rows = [], []
     for flag in (False, True):
         t = PPOTrainer(
             make_cfg(
@@ -121,17 +121,31 @@ def test_step_in_backward_trains_bit_identically(tmp_path, layout):
                 f"log.output_dir={tmp_path / str(flag)}",
                 f"model.value_model={layout}",
                 "ppo.iterations=2",
-                "ppo.max_grad_norm=null",
-                f"ppo.step_in_backward={str(flag).lower()}",
+                f"{switch}={str(flag).lower()}",
+                *overrides,
             )
         )
-        if flag:  # the updates must come from the backward hooks, never from step()
-            for opt in (t.opt, t.critic_opt):
-                if opt is not None:
-                    opt.step = lambda: pytest.fail("optimizer.step() ran")
+        if flag and arm is not None:
+            arm(t)
         t.fit()
         runs.append(t)
-    plain, fused = runs
+        metrics = read_jsonl(tmp_path / str(flag) / "metrics.jsonl")
+        rows.append([{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in metrics])
+    return runs, rows
+
+
+@pytest.mark.parametrize("layout", ["separate", "shared"])
+def test_step_in_backward_trains_bit_identically(tmp_path, layout):
+    """ppo.step_in_backward changes when AdamW runs, not what it computes."""
+
+    def arm(t):  # the updates must come from the backward hooks, never from step()
+        for opt in (t.opt, t.critic_opt):
+            if opt is not None:
+                opt.step = lambda: pytest.fail("optimizer.step() ran")
+
+    (plain, fused), (rows_plain, rows_fused) = _switch_pair(
+        tmp_path, layout, "ppo.step_in_backward", "ppo.max_grad_norm=null", arm=arm
+    )
     models = [("policy", lambda t: t.cast.policy)]
     if layout == "separate":
         models.append(("critic", lambda t: t.cast.critic))
@@ -140,10 +154,27 @@ def test_step_in_backward_trains_bit_identically(tmp_path, layout):
             assert torch.equal(a, b)
     # 2 iterations × 2 epochs × 2 minibatches, each one update of every tensor
     assert fused.opt.state_dict()["state"][0]["step"].item() == 8
-    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows]  # noqa: E731
-    assert strip(read_jsonl(tmp_path / "False" / "metrics.jsonl")) == strip(
-        read_jsonl(tmp_path / "True" / "metrics.jsonl")
-    )
+    assert rows_plain == rows_fused
+
+
+@pytest.mark.parametrize("layout", ["separate", "shared"])
+def test_logprobs_from_sampling_skips_the_policy_forward(tmp_path, layout, monkeypatch):
+    """rollout.logprobs_from_sampling: the same run to float rounding, no policy scoring."""
+    import rlhflab.rollout as rollout_module
+
+    def arm(_t):
+        monkeypatch.setattr(
+            rollout_module, "score_policy", lambda *a: pytest.fail("policy scored twice")
+        )
+
+    runs, rows = _switch_pair(tmp_path, layout, "rollout.logprobs_from_sampling", arm=arm)
+    # the first update's ratio is 1: the sampler's log-probs are the policy's
+    assert runs[1].first_minibatch["policy/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    for a, b in zip(*rows):
+        for key in ("objective/kl", "objective/entropy", "policy/entropy", "val/loss"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+    for a, b in zip(runs[0].cast.policy.parameters(), runs[1].cast.policy.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
 def test_step_in_backward_refuses_what_needs_every_gradient_first(tmp_path):

@@ -169,6 +169,15 @@ class RolloutConfig:
     score_micro_batch: int = setting(
         32, "Sequences per no-grad forward pass when scoring rollouts (memory vs speed).", low=1
     )
+    logprobs_from_sampling: bool = setting(
+        False,
+        "Take the old log-probs and entropy (with a shared backbone, the values too) from "
+        "the sampling pass, whose every step already has the logits of the token it draws, "
+        "instead of a separate no-grad policy forward over prompt + answer: one policy "
+        "forward fewer per iteration, as TRL's PPOTrainer does. Off by default because the "
+        "KV-cached pass equals a full forward only to float rounding (~1e-6 in fp32; more in "
+        "bf16 or with another sampling engine), so the first update's ratio is not exactly 1.",
+    )
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Rollouts: batched sampling with a KV cache, then no-grad scoring of the answers.
+"""Rollouts: sampled answers (``rlhflab.sampling``), then no-grad scoring of them.
 
 Layout of a rollout (B answers): prompts are *left*-padded to P tokens so every answer
 starts at column P; answers are *right*-padded to T tokens. ``response_mask`` is 1 on real
@@ -9,7 +9,6 @@ logits at columns P−1 … P+T−2 predict the answer tokens.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -17,6 +16,7 @@ import torch
 from rlhflab import algorithms as A
 from rlhflab import models as M
 from rlhflab.rewards import RewardBatch
+from rlhflab.sampling import SamplingScores, cache_kwarg, sample
 
 
 @dataclass
@@ -59,108 +59,6 @@ def left_pad(token_lists: list[list[int]], pad_id: int) -> tuple[torch.Tensor, t
     return ids, mask
 
 
-def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """Top-k then nucleus filtering: removed tokens get −inf. (B, V) → (B, V)."""
-    if top_k and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-        cum = torch.softmax(sorted_logits, -1).cumsum(-1)
-        drop_sorted = (cum - torch.softmax(sorted_logits, -1)) >= top_p  # keep the first over p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
-
-
-_warned_truncated = False
-
-
-def _cache_kwarg(model) -> str:
-    """transformers 5.x renamed ``past_key_values`` to ``cache``; support both."""
-    import inspect
-
-    core = model
-    if isinstance(core, M.Offloaded):
-        core = core.model
-    if isinstance(core, M.LoraReference):
-        core = core.peft_model
-    if hasattr(core, "get_base_model"):
-        core = core.get_base_model()
-    params = inspect.signature(type(core).forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
-@torch.no_grad()
-def sample(
-    model,
-    prompt_ids,
-    prompt_mask,
-    max_new_tokens: int,
-    eos_id: int | None,
-    pad_id: int,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    generator: torch.Generator | None = None,
-    all_done=None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sample answers with a KV cache. Returns (response_ids, response_mask, ended).
-
-    Tokens after a row's first EOS are pad and masked out; the EOS itself is kept in the
-    mask. Generation stops early once every row has ended. ``eos_id=None`` makes EOS an
-    ordinary token: every answer is ``max_new_tokens`` long (benchmarks need equal work).
-    """
-    global _warned_truncated
-    if (top_k or top_p < 1.0) and not _warned_truncated:
-        warnings.warn(
-            "top_k/top_p sampling: training log-probs use the full softmax, so they "
-            "differ from the truncated sampling distribution (PPO becomes slightly "
-            "off-policy)",
-            stacklevel=2,
-        )
-        _warned_truncated = True
-    B, device = prompt_ids.shape[0], prompt_ids.device
-    mask = prompt_mask.clone()
-    positions = M.position_ids_from_mask(mask)
-    cache_key = _cache_kwarg(model)
-    out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=positions, use_cache=True)
-    next_pos = positions[:, -1:] + 1
-    finished = torch.zeros(B, dtype=torch.bool, device=device)
-    tokens = []
-    for step in range(max_new_tokens):
-        logits = out.logits[:, -1, :].float() / temperature
-        probs = torch.softmax(filter_logits(logits, top_k, top_p), dim=-1)
-        nxt = torch.multinomial(probs, 1, generator=generator).squeeze(1)
-        nxt = torch.where(finished, torch.full_like(nxt, pad_id), nxt)
-        tokens.append(nxt)
-        if eos_id is not None:
-            finished = finished | (nxt == eos_id)
-        done = bool(finished.all())
-        if all_done is not None:  # data parallel with sharded weights: stop together
-            done = all_done(done)
-        if done or step == max_new_tokens - 1:
-            break
-        mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=device)], dim=1)
-        out = model(
-            input_ids=nxt[:, None],
-            attention_mask=mask,
-            position_ids=next_pos,
-            use_cache=True,
-            **{cache_key: getattr(out, cache_key)},
-        )
-        next_pos = next_pos + 1
-    response = torch.stack(tokens, dim=1)
-    # mask: everything up to and including the first EOS
-    is_eos = (
-        response == eos_id if eos_id is not None else torch.zeros_like(response, dtype=torch.bool)
-    )
-    after_eos = (is_eos.long().cumsum(1) - is_eos.long()) > 0
-    response_mask = (~after_eos).long()
-    response = torch.where(after_eos, torch.full_like(response, pad_id), response)
-    return response, response_mask, is_eos.any(dim=1)
-
-
 def generate_rollout(
     model,
     tokenizer,
@@ -173,7 +71,10 @@ def generate_rollout(
     device,
     all_done=None,
     ignore_eos: bool = False,
+    scores: SamplingScores | None = None,
 ) -> Rollout:
+    """Sample one answer per prompt; with ``scores``, the rollout also carries the sampling
+    pass's old log-probs and entropy (and values), and scoring skips the policy forward."""
     encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
     prompt_ids, prompt_mask = left_pad(encoded, tokenizer.pad_token_id)
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
@@ -189,9 +90,13 @@ def generate_rollout(
         top_p,
         generator,
         all_done,
+        scores,
     )
     texts = tokenizer.batch_decode(resp, skip_special_tokens=True)
-    return Rollout(prompt_ids, prompt_mask, resp, resp_mask, ended, list(prompts), texts)
+    rollout = Rollout(prompt_ids, prompt_mask, resp, resp_mask, ended, list(prompts), texts)
+    if scores is not None:
+        scores.fill(rollout)
+    return rollout
 
 
 def response_slice(prompt_len: int, response_len: int) -> slice:
@@ -240,10 +145,11 @@ def score_rollout(
 
     One forward of the policy (logits and, with a shared backbone, values), one of the
     reference, one of the critic (if separate), one of the reward model.
-    ``policy_forward=False`` leaves old_logprobs and entropy None: the training forward will
-    supply them (``ppo.reuse_training_forward``).
+    ``policy_forward=False`` leaves old_logprobs and entropy (and a shared backbone's values)
+    as they are: the sampling pass filled them (``rollout.logprobs_from_sampling``) or the
+    training forward will (``ppo.reuse_training_forward``).
     """
-    if not policy_forward and cast.shared:
+    if not policy_forward and cast.shared and rollout.values is None:
         raise ValueError("score_rollout: a shared backbone's values need the policy forward")
     seqs, mask = rollout.sequences, rollout.attention_mask
     P = rollout.prompt_ids.shape[1]
@@ -331,7 +237,7 @@ def opener_logprobs(
     phrase_mask = torch.zeros((K, L), dtype=torch.long)
     for k, e in enumerate(enc):
         phrase_ids[k, : len(e)], phrase_mask[k, : len(e)] = torch.tensor(e), 1
-    device, cache_key, out = prompt_ids.device, _cache_kwarg(model), []
+    device, cache_key, out = prompt_ids.device, cache_kwarg(model), []
     phrase_ids, phrase_mask = phrase_ids.to(device), phrase_mask.to(device)
     for s in range(0, prompt_ids.shape[0], micro_batch):
         ids, mask = prompt_ids[s : s + micro_batch], prompt_mask[s : s + micro_batch]

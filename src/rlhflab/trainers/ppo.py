@@ -11,7 +11,6 @@ Every implementation detail is a field of :class:`rlhflab.config.Config`; the ma
 
 from __future__ import annotations
 
-import logging
 import random
 import time
 from pathlib import Path
@@ -33,19 +32,18 @@ from rlhflab.rewards import FunctionReward, RunningMoments
 from rlhflab.rollout import (
     Rollout,
     generate_rollout,
-    opener_logprobs,
     score_policy,
     score_rollout,
 )
+from rlhflab.sampling import SamplingScores
 from rlhflab.trainers.common import (
     build_optimizer,
     build_scheduler,
     load_prompt_set,
 )
 from rlhflab.trainers.ppo_epochs import PPOEpochs
+from rlhflab.trainers.ppo_watch import PPOWatch
 from rlhflab.trainers.runstate import CheckpointedRun
-
-log = logging.getLogger(__name__)
 
 METRICS = {
     "objective/scores": "mean combined score after the missing-EOS penalty, before normalisation",
@@ -81,7 +79,7 @@ METRICS = {
 }
 
 
-class PPOTrainer(PPOEpochs, CheckpointedRun):
+class PPOTrainer(PPOEpochs, PPOWatch, CheckpointedRun):
     def __init__(self, cfg: Config, cast: ModelCast | None = None):
         self.cfg = cfg
         random.seed(cfg.seed)
@@ -163,6 +161,17 @@ class PPOTrainer(PPOEpochs, CheckpointedRun):
                 "ppo.step_in_backward: with several processes the gradients are averaged "
                 "across ranks after the backward; updating during it is single-process only"
             )
+        if (
+            ctx.enabled
+            and strategy == "fsdp"
+            and cast.shared
+            and cfg.rollout.logprobs_from_sampling
+        ):
+            raise ConfigError(
+                "rollout.logprobs_from_sampling: with a shared backbone under fsdp the value "
+                "head's weights are sharded outside the sampling pass; use ddp, a separate "
+                "critic, or turn it off"
+            )
         if ctx.enabled and strategy == "fsdp" and cfg.model.lora_r:
             raise ConfigError("dist.strategy: LoRA with fsdp is not supported; use ddp")
         self.fsdp = ctx.enabled and strategy == "fsdp"
@@ -206,9 +215,11 @@ class PPOTrainer(PPOEpochs, CheckpointedRun):
         cast = self.cast
         prompts = self._local_share(self.next_prompts())
 
-        # 1. generate
+        # 1. generate (with rollout.logprobs_from_sampling, also the old log-probs)
         t0 = time.perf_counter()
         cast.policy.eval()
+        reuse = self._reuse_training_forward()  # old log-probs then come from step 8
+        scores = self._sampling_scores(reuse)
         rollout = generate_rollout(
             cast.policy_lm,
             cast.tokenizer,
@@ -221,13 +232,14 @@ class PPOTrainer(PPOEpochs, CheckpointedRun):
             self.device,
             all_done=self.all_done,
             ignore_eos=r.ignore_eos,
+            scores=scores,
         )
         t_gen = time.perf_counter() - t0
 
         # 2. score: old and reference log-probs, values, reward
         t0 = time.perf_counter()
-        reuse = self._reuse_training_forward()  # old log-probs then come from step 8
-        score_rollout(cast, rollout, r.temperature, r.score_micro_batch, not reuse)
+        policy_forward = not reuse and rollout.old_logprobs is None
+        score_rollout(cast, rollout, r.temperature, r.score_micro_batch, policy_forward)
         t_score = time.perf_counter() - t0
         mask = rollout.response_mask
         # 2b. the monitor's flattery probe, on the weights that sampled this rollout
@@ -329,6 +341,14 @@ class PPOTrainer(PPOEpochs, CheckpointedRun):
             and not self.cast.has_values
         )
 
+    def _sampling_scores(self, reuse: bool) -> SamplingScores | None:
+        """What step 1 records for step 2 (rollout.logprobs_from_sampling), or None."""
+        if not self.cfg.rollout.logprobs_from_sampling or reuse:
+            return None
+        if self.cast.shared:
+            return SamplingScores(self.cast.policy_lm, self.cast.policy.value_head)
+        return SamplingScores()
+
     def next_prompts(self) -> list[str]:
         return self.stream.next_batch()
 
@@ -346,51 +366,6 @@ class PPOTrainer(PPOEpochs, CheckpointedRun):
         if p.whiten_advantages:
             advantages = A.masked_whiten(advantages, mask, moments=self._moments(advantages, mask))
         return advantages, returns, {}
-
-    def _opener_probe(self, rollout: Rollout):
-        """(policy, reference) log P(answer opens with a flattery phrase), (B,) each, or None
-        when the monitor or its flattery_opener_ratio signal is off."""
-        mc, r = self.cfg.monitor, self.cfg.rollout
-        if self.monitor is None or mc.flattery_opener_ratio is None or not mc.phrases:
-            return None
-        args = (rollout.prompt_ids, rollout.prompt_mask, mc.phrases, r.temperature)
-        tok, micro = self.cast.tokenizer, r.score_micro_batch
-        # every rank's prompts: the signal is a ratio of means over the global batch
-        return tuple(
-            self.ctx.all_gather_cat(opener_logprobs(model, tok, *args, micro, mc.opener_tokens))
-            for model in (self.cast.policy_lm, self.cast.reference)
-        )
-
-    def _watch(self, rollout: Rollout, metrics: dict, openers=None) -> dict[str, float]:
-        """Step 9b: reward-hacking signals, alerts, and the configured reaction."""
-        mc, r = self.cfg.monitor, self.cfg.rollout
-        it = self.iteration + 1
-        ref = None
-        if mc.reference_every and it % mc.reference_every == 0:
-            ref = generate_rollout(
-                self.cast.reference,
-                self.cast.tokenizer,
-                rollout.prompts,
-                r.max_new_tokens,
-                r.temperature,
-                r.top_k,
-                r.top_p,
-                self.gens["monitor"],
-                self.device,
-                all_done=self.all_done,
-                ignore_eos=r.ignore_eos,
-            )
-        signals = self.monitor.signals(rollout, metrics, ref, openers)
-        signals = self.ctx.mean_metrics(signals)
-        alerts = self.monitor.check(it, signals)
-        for alert in alerts:
-            log.warning("%s", alert.message())
-            if mc.response == "raise_kl":
-                self.kl_ctl.value *= mc.kl_factor
-                log.warning("monitor.response=raise_kl: β → %.4g", self.kl_ctl.value)
-            elif mc.response == "stop" and self.stop_reason is None:
-                self.stop_reason = f"{alert.message()} (monitor.response=stop)"
-        return {**{f"monitor/{k}": v for k, v in signals.items()}, "monitor/alerts": len(alerts)}
 
     def _normalise(self, scores: torch.Tensor) -> torch.Tensor:
         mode, clip = self.cfg.reward.normalize, self.cfg.reward.clip

@@ -1,0 +1,56 @@
+"""The sampling pass's own scores (rollout.logprobs_from_sampling) against a full forward."""
+
+import pytest
+import torch
+
+from rlhflab import models as M
+from rlhflab.rollout import left_pad, policy_outputs
+from rlhflab.sampling import SamplingScores, sample
+
+
+@pytest.mark.parametrize("runtime", ["transformers", "native"])
+@pytest.mark.parametrize("shared", [False, True])
+def test_sampling_scores_equal_a_full_forward(runtime, shared):
+    torch.manual_seed(0)
+    path = M.resolve_path("preset:nano")
+    tok = M.load_tokenizer(path)
+    lm = M.load_causal_lm(path, tok, runtime=runtime)
+    policy = M.PolicyWithValueHead(lm) if shared else lm
+    if shared:  # a zero head would make every value 0 and hide a wrong hidden state
+        torch.nn.init.normal_(policy.value_head.weight)
+        torch.nn.init.normal_(policy.value_head.bias)
+    prompts = ["2 + 2", "the cat sat on", "a", "red green blue sun"]
+    encoded = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    ids, mask = left_pad(encoded, tok.pad_token_id)  # rows of unequal length: left padding
+    scores = SamplingScores(lm, policy.value_head) if shared else SamplingScores()
+    gen = torch.Generator().manual_seed(1)
+    temperature = 0.7
+    resp, rmask, _ = sample(
+        lm, ids, mask, 10, None, tok.pad_token_id, temperature, generator=gen, scores=scores
+    )
+    T = resp.shape[1]
+    sampled_lp = torch.stack(scores.logprobs, 1)
+    assert sampled_lp.shape == resp.shape == (4, 10)
+
+    seqs = torch.cat([ids, resp], 1)
+    full_mask = torch.cat([mask, rmask], 1)
+    with torch.no_grad():
+        lp, values, ent = policy_outputs(
+            policy, seqs, full_mask, ids.shape[1], resp, temperature, with_entropy=True
+        )
+    assert lp.abs().min() > 1e-3  # real log-probs, not zeros that agree trivially
+    torch.testing.assert_close(sampled_lp, lp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.stack(scores.entropy, 1), ent, atol=1e-5, rtol=1e-5)
+    if shared:
+        assert values.shape == (4, T) and values.abs().max() > 1e-2
+        torch.testing.assert_close(torch.stack(scores.values, 1), values, atol=1e-5, rtol=1e-5)
+        # the hook is gone after sampling: a later forward records nothing
+        M.causal_forward(lm, seqs, full_mask)
+        assert len(scores.values) == T
+    else:
+        assert values is None and scores.values == []
+
+
+def test_sampling_scores_need_both_lm_and_head():
+    with pytest.raises(ValueError, match="both the LM and the value head"):
+        SamplingScores(lm=torch.nn.Linear(2, 2))
