@@ -19,7 +19,9 @@ forward and AdamW over the same files: same arithmetic, fewer imports); ``--runt
 transformers`` runs it on transformers' classes instead. rlhflab's worker starts on the
 allocator the ``rlhflab`` command starts on (``--allocator auto``: mimalloc where installed,
 rlhflab/allocator.py), TRL's on the system's; ``--trl-allocator mimalloc`` runs TRL on the
-same library, to tell the allocator's share from the rest. The last lines are ``time ratio <size>: X``,
+same library, to tell the allocator's share from the rest. rlhflab multiplies its Linear
+layers through numpy's OpenBLAS (``model.cpu_matmul=numpy``; ``--cpu-matmul torch`` for
+torch's MKL, TRL's only choice), faster on these AMD CPUs. The last lines are ``time ratio <size>: X``,
 ``memory ratio <size>: Y`` and ``time ratio 25M with levers: Z``.
 
     python benchmarks/vs_trl.py --setup                 # once: TRL's own environment
@@ -168,7 +170,12 @@ def _allocator_in_use() -> str:
 
 
 def run_rlhflab(
-    folder: Path, answer: int, iterations: int, levers: bool, runtime: str = "native"
+    folder: Path,
+    answer: int,
+    iterations: int,
+    levers: bool,
+    runtime: str = "native",
+    cpu_matmul: str = "numpy",
 ) -> dict:
     import torch
 
@@ -183,6 +190,9 @@ def run_rlhflab(
             "policy": str(folder / "policy"),
             "value_model": "from_reward",
             "runtime": runtime,
+            # numpy's OpenBLAS for the Linear layers' products: faster than torch's MKL on
+            # the AMD CPUs this runs on (benchmarks/cpu_matmul.py); same FLOPs, same fp32
+            "cpu_matmul": cpu_matmul,
         },
         "reward": {"model": str(folder / "reward"), "normalize": "none", "clip": None},
         "rollout": {
@@ -329,7 +339,7 @@ def worker_main(argv: list[str]) -> None:
         out = run_trl(folder, answer, iterations)
     else:
         levers = side == "rlhflab-levers"
-        out = run_rlhflab(folder, answer, iterations, levers=levers, runtime=argv[4])
+        out = run_rlhflab(folder, answer, iterations, levers, runtime=argv[4], cpu_matmul=argv[5])
     print("RESULT " + json.dumps(out), flush=True)
 
 
@@ -355,23 +365,33 @@ def useful_flops(size: str, prompt_tokens: int, levers: bool = False) -> float:
     return ROLLOUTS * per_seq
 
 
-def matmul_ceiling(size: str, prompt_tokens: int) -> float:
-    """GFLOP/s of one-thread fp32 matmuls with this size's MLP and head shapes."""
+def matmul_ceiling(size: str, prompt_tokens: int) -> dict[str, float]:
+    """Best GFLOP/s of one-thread fp32 matmuls with this size's MLP and head shapes, through
+    torch.mm (MKL in torch's CPU wheels) and numpy.matmul (OpenBLAS in numpy's wheels)."""
+    import numpy as np
     import torch
 
+    from rlhflab.cpu_blas import set_numpy_blas_threads
+
     torch.set_num_threads(1)
+    set_numpy_blas_threads(1)
     hidden, inter, _, _, answer = SIZES[size]
     rows = ROLLOUTS * (prompt_tokens + answer)
-    rates = []
+    rates: dict[str, float] = {"torch": 0.0, "numpy": 0.0}
     for k, n in ((hidden, inter), (inter, hidden), (hidden, 440)):
         a, b = torch.randn(rows, k), torch.randn(k, n)
-        a @ b
-        reps, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < 0.5:
-            a @ b
-            reps += 1
-        rates.append(2 * rows * k * n * reps / (time.perf_counter() - t0) / 1e9)
-    return max(rates)
+        for lib, mm in (
+            ("torch", torch.mm),
+            ("numpy", lambda x, y: np.matmul(x.numpy(), y.numpy())),
+        ):
+            mm(a, b)
+            reps, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < 0.5:
+                mm(a, b)
+                reps += 1
+            rate = 2 * rows * k * n * reps / (time.perf_counter() - t0) / 1e9
+            rates[lib] = max(rates[lib], rate)
+    return rates
 
 
 # ------------------------------------------------------------------------------ the driver
@@ -383,6 +403,7 @@ def run_side(
     iterations: int,
     runtime: str = "native",
     allocator: str = "system",
+    cpu_matmul: str = "numpy",
 ) -> dict:
     from rlhflab.allocator import environment
 
@@ -405,6 +426,7 @@ def run_side(
         str(SIZES[size][4]),
         str(iterations),
         runtime,
+        cpu_matmul,
     ]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
@@ -448,6 +470,12 @@ def main() -> None:
         help="rlhflab's model.runtime (native: its own Llama forward; transformers: HF's)",
     )
     ap.add_argument(
+        "--cpu-matmul",
+        default="numpy",
+        choices=("numpy", "torch"),
+        help="rlhflab's model.cpu_matmul (numpy: OpenBLAS; torch: MKL, as TRL)",
+    )
+    ap.add_argument(
         "--allocator",
         default="auto",
         choices=("auto", "mimalloc", "system"),
@@ -473,13 +501,13 @@ def main() -> None:
         folder = build_models(size, work / f"models-{size}")
         runs: dict[str, list] = {"rlhflab": [], "trl": [], "rlhflab-levers": []}
         for _ in range(args.rounds):  # A B A B
-            rt, ours_alloc = args.runtime, args.allocator
-            runs["rlhflab"].append(run_side(ours, "rlhflab", folder, size, total, rt, ours_alloc))
+            ours_args = (args.runtime, args.allocator, args.cpu_matmul)
+            runs["rlhflab"].append(run_side(ours, "rlhflab", folder, size, total, *ours_args))
             runs["trl"].append(
                 run_side(trl_py, "trl", folder, size, total, allocator=args.trl_allocator)
             )
             if not args.no_levers:
-                lever_run = run_side(ours, "rlhflab-levers", folder, size, total, rt, ours_alloc)
+                lever_run = run_side(ours, "rlhflab-levers", folder, size, total, *ours_args)
                 runs["rlhflab-levers"].append(lever_run)
         prompt_tokens = prompt_length(folder)
         flops = useful_flops(size, prompt_tokens)
@@ -495,6 +523,7 @@ def main() -> None:
         json.dumps(
             {
                 "runtime": args.runtime,
+                "cpu_matmul": args.cpu_matmul,
                 "allocator": args.allocator,
                 "trl_allocator": args.trl_allocator,
                 **results,
@@ -527,7 +556,8 @@ def prompt_length(folder: Path) -> int:
 def format_size(size: str, row: dict) -> str:
     lines = [
         f"## {size}: {row['flops_per_it'] / 1e9:.1f} GFLOP of useful work per iteration, "
-        f"one-thread fp32 matmul ceiling {row['ceiling_gflops']:.0f} GFLOP/s",
+        f"one-thread fp32 matmul ceiling {row['ceiling_gflops']['torch']:.0f} GFLOP/s "
+        f"through torch, {row['ceiling_gflops']['numpy']:.0f} through numpy",
         "| side | s/iteration (median) | min–max | gen tokens/s | peak MiB | GFLOP/s |",
         "| --- | ---: | --- | ---: | ---: | ---: |",
     ]

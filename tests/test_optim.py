@@ -1,6 +1,7 @@
 """rlhflab's FusedAdamW and LambdaSchedule against torch.optim's AdamW and LambdaLR."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -108,12 +109,15 @@ def test_update_in_backward_matches_step_after_backward_and_holds_one_gradient()
             assert torch.equal(opt_a.state[p][key], opt_b.state[q][key])
 
 
-def test_update_in_backward_leaves_a_tensor_with_a_non_finite_gradient_alone():
+@pytest.mark.parametrize("bad", [[math.nan], [math.inf], [-math.inf], [math.inf, -math.inf]])
+def test_update_in_backward_leaves_a_tensor_with_a_non_finite_gradient_alone(bad):
     ps = _params()
     opt = FusedAdamW(_groups(ps))
     before = [p.detach().clone() for p in ps]
+    w = torch.ones_like(ps[0]).flatten()  # finite but for a few elements
+    w[: len(bad)] = torch.tensor(bad)
     with UpdateInBackward([opt]) as upd:
-        (ps[0].sum() * float("nan") + ps[1].sum() + ps[2].sum()).backward()
+        ((ps[0] * w.view_as(ps[0])).sum() + ps[1].sum() + ps[2].sum()).backward()
     assert bool(upd.found_inf)
     assert torch.equal(ps[0], before[0])
     assert opt.state[ps[0]]["step"].item() == 0 and not opt.state[ps[0]]["exp_avg"].any()

@@ -16,6 +16,7 @@ from torch import nn
 
 from rlhflab import models as M
 from rlhflab.config import Config
+from rlhflab.cpu_blas import apply_cpu_matmul
 from rlhflab.lean import make_activations_lean
 from rlhflab.rewards import CompositeReward, FunctionReward, ModelReward
 
@@ -156,6 +157,8 @@ def build_cast(cfg: Config, device: torch.device | None = None) -> ModelCast:
             rm = M.Offloaded(rm, device)
         elif mc.reward_precision != "int8":
             rm = rm.to(device)
+    # after quantisation and offloading: only plain float Linear layers change
+    apply_cpu_matmul(mc.cpu_matmul, device, (lm, critic, reference, rm))
     if mc.gradient_checkpointing:
         for model in (lm, critic):
             if model is not None:

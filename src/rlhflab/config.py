@@ -83,6 +83,18 @@ class ModelConfig:
         "outputs, same gradients up to rounding, about a third fewer saved bytes "
         "(rlhflab/lean.py). Other architectures are left as they are.",
     )
+    cpu_matmul: str = setting(
+        "torch",
+        "Which library multiplies the Linear layers' float32/64 matrices on the CPU. 'torch': "
+        "PyTorch's own (Intel MKL in its CPU wheels). 'numpy': the BLAS numpy carries "
+        "(OpenBLAS in its wheels) for products of 64 rows or more, in forward and backward "
+        "(rlhflab/cpu_blas.py): on the AMD EPYC machines we test on, OpenBLAS multiplies "
+        "float32 6-12 % faster than MKL (benchmarks/cpu_matmul.py), and matmuls are most of "
+        "a CPU run. Same results to float rounding. Off by default: MKL is tuned for Intel "
+        "CPUs (not measured here), so run the benchmark on yours before switching. CPU "
+        "device only.",
+        choices=("torch", "numpy"),
+    )
     lora_r: int = setting(
         0,
         "LoRA rank for the policy (0 = full fine-tuning). With LoRA the reference is the base "

@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rlhflab import cpu_blas
+
 # transformers classes whose forward is exactly the Llama RMSNorm / SwiGLU MLP (checked
 # against transformers 5.24); any other class is left alone rather than guessed at.
 FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3", "SmolLM3", "Native")  # Native: native.py
@@ -96,25 +98,34 @@ class _SwiGLUFn(torch.autograd.Function):
 
 class _SwiGLUDownFn(torch.autograd.Function):
     """out = Linear(SiLU(gate)·up; W, b), keeping gate and up only: p is recomputed in
-    backward for W's gradient. The same matmuls as autograd's, none recomputed."""
+    backward for W's gradient. The same matmuls as autograd's, none recomputed; with
+    ``numpy_blas`` (a ``cpu_blas.NumpyBlasLinear`` down projection) they run where its
+    forward would run them."""
 
     @staticmethod
-    def forward(ctx, gate, up, weight, bias):
+    def forward(ctx, gate, up, weight, bias, numpy_blas: bool = False):
         ctx.save_for_backward(gate, up, weight)
         ctx.has_bias = bias is not None
-        return F.linear(F.silu(gate) * up, weight, bias)
+        p = F.silu(gate) * up
+        ctx.numpy_blas = numpy_blas and cpu_blas.takes_numpy_path(p, weight)
+        if ctx.numpy_blas:
+            out = cpu_blas.numpy_mm(p.reshape(-1, p.shape[-1]), weight.t())
+            out = out.view(*p.shape[:-1], weight.shape[0])
+            return out.add_(bias) if bias is not None else out
+        return F.linear(p, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
         gate, up, weight = ctx.saved_tensors
-        grad_p = grad @ weight
+        mm = cpu_blas.numpy_mm if ctx.numpy_blas else torch.mm
+        flat_grad = grad.reshape(-1, grad.shape[-1])
+        grad_p = mm(flat_grad, weight).view(*grad.shape[:-1], weight.shape[1])
         need_w = ctx.needs_input_grad[2]
         grad_gate, grad_up, p = _swiglu_backward(grad_p, gate, up, want_p=need_w)
         del grad_p
-        flat_grad = grad.reshape(-1, grad.shape[-1])
-        grad_w = flat_grad.t() @ p.reshape(-1, p.shape[-1]) if need_w else None
+        grad_w = mm(flat_grad.t(), p.reshape(-1, p.shape[-1])) if need_w else None
         grad_b = flat_grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
-        return grad_gate, grad_up, grad_w, grad_b
+        return grad_gate, grad_up, grad_w, grad_b, None
 
 
 def rms_norm_plain(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -133,8 +144,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def swiglu_mlp(x: torch.Tensor, gate_proj, up_proj, down_proj) -> torch.Tensor:
     """down_proj(SiLU(gate_proj(x)) · up_proj(x)) for x (..., H), keeping gate and up."""
     gate, up = gate_proj(x), up_proj(x)
-    if type(down_proj) is nn.Linear:
-        return _SwiGLUDownFn.apply(gate, up, down_proj.weight, down_proj.bias)
+    if type(down_proj) in (nn.Linear, cpu_blas.NumpyBlasLinear):
+        numpy_blas = type(down_proj) is cpu_blas.NumpyBlasLinear
+        return _SwiGLUDownFn.apply(gate, up, down_proj.weight, down_proj.bias, numpy_blas)
     return down_proj(_SwiGLUFn.apply(gate, up))
 
 

@@ -24,6 +24,7 @@ from rlhflab import checkpoint as C
 from rlhflab import models as M
 from rlhflab.config import Config
 from rlhflab.configbase import to_dict
+from rlhflab.cpu_blas import apply_cpu_matmul
 from rlhflab.data import load_preferences
 from rlhflab.lean import make_activations_lean
 from rlhflab.runlog import RunLog
@@ -76,6 +77,7 @@ class DPOTrainer:
         self.reference = M.make_reference(
             lm, cfg.model.reference_precision, cfg.model.offload_frozen, self.device
         )
+        apply_cpu_matmul(cfg.model.cpu_matmul, self.device, (lm, self.reference))
         pairs = load_preferences(d.data) if d.data else builtin_pairs(_with_pairs(cfg, d.pairs))
         self.prompts = [p.prompt for p in pairs]
         self.chosen = [p.chosen for p in pairs]

@@ -19,6 +19,7 @@ from rlhflab import algorithms as A
 from rlhflab import models as M
 from rlhflab import tasks
 from rlhflab.config import Config, ConfigError
+from rlhflab.cpu_blas import apply_cpu_matmul
 from rlhflab.data import DataError, PreferencePair, load_preferences
 from rlhflab.lean import make_activations_lean
 from rlhflab.rewards import last_real_index
@@ -148,6 +149,7 @@ def train_rm(cfg: Config) -> dict:
     )
     if cfg.model.lean_activations:
         make_activations_lean(model)
+    apply_cpu_matmul(cfg.model.cpu_matmul, device, (model,))
     model.config.id2label = dict(enumerate(heads))
     model.config.label2id = {h: i for i, h in enumerate(heads)}
     pairs = load_preferences(r.data) if r.data else builtin_pairs(cfg)

@@ -17,6 +17,7 @@ from rlhflab import algorithms as A
 from rlhflab import models as M
 from rlhflab import tasks
 from rlhflab.config import Config
+from rlhflab.cpu_blas import apply_cpu_matmul
 from rlhflab.data import DataError, iter_rows
 from rlhflab.lean import make_activations_lean
 from rlhflab.trainers.common import (
@@ -92,6 +93,7 @@ def train_sft(cfg: Config) -> dict:
     )
     if cfg.model.lean_activations:
         make_activations_lean(model)
+    apply_cpu_matmul(cfg.model.cpu_matmul, device, (model,))
     pairs = load_sft_pairs(s.data) if s.data else builtin_sft_pairs(s.examples, cfg.seed)
     opt = build_optimizer_simple(model.parameters(), s.lr)
     sched = build_scheduler(opt, s.warmup_steps, s.steps, "cosine")
