@@ -11,7 +11,8 @@ epochs of one minibatch, k1 KL in the reward with β = 0.05, clip 0.2 / value cl
 runs alternate A B A B. The first ``--warmup`` iterations are not timed.
 
 Reported per size: median and spread of seconds per iteration, generation tokens per
-second, peak resident memory (VmHWM of the worker), achieved GFLOP/s of useful work
+second, peak resident memory (VmHWM of the worker; torch's libraries are evicted from the
+page cache before each worker starts, so both sides map them cold), achieved GFLOP/s of useful work
 (counted below) against a one-thread fp32 matmul ceiling measured here, and the ratios.
 A second table runs rlhflab with the recommended levers (shared policy/value backbone,
 int8 reference and reward model). rlhflab runs with ``model.runtime=native`` (its own Llama
@@ -428,11 +429,31 @@ def run_side(
         runtime,
         cpu_matmul,
     ]
+    evict_torch_libraries(python)
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
         raise RuntimeError(f"{side} {size} failed:\n{done.stderr[-3000:]}")
     return json.loads(lines[-1][7:])
+
+
+def evict_torch_libraries(python: str) -> None:
+    """Drop torch's shared libraries of ``python``'s venv from the page cache, so that every
+    worker maps them from a cold start.
+
+    Peak RSS counts the file pages a process has mapped, and how many pages one fault maps
+    depends on how the file sits in the page cache (its history: written by pip, read by
+    other processes). On this VM the same libtorch_cpu.so, byte for byte, left
+    ``import torch`` at 272 MiB in one venv and 224 MiB in the other until both were
+    evicted; then 230 and 224. Neither library's doing, so both sides start cold.
+    """
+    venv = Path(python).parent.parent
+    for lib in venv.glob("lib/python3*/site-packages/torch/lib/*.so*"):
+        fd = os.open(lib, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def per_iteration(result: dict, warmup: int) -> list[float]:
