@@ -11,8 +11,12 @@ RSS sat ~500 MiB above the live tensors. glibc can be told to hand large blocks 
 reused by the next ones of that size: 25M worker peak 1839 → 1574 MiB at the same seconds
 per iteration. With its default purging (freed memory handed back after 10 ms) the peak was
 lower still (1518 MiB) but each iteration 25 % slower, for the same page-fault reason; so
-rlhflab starts it with ``MIMALLOC_PURGE_DELAY=-1`` (keep freed memory for reuse) unless the
-caller set that variable.
+rlhflab starts it with ``MIMALLOC_PURGE_DELAY=-1`` (keep freed memory for reuse), and with
+``MIMALLOC_ALLOW_THP=0``: mimalloc otherwise asks the kernel for transparent huge pages on
+its arenas, which on a ``madvise``-mode kernel rounds resident memory up to 2 MiB pages —
+peak RSS 1577 → 1489 MiB at 25M and 351 → 318 MiB at 0.2M without it, at the same seconds
+per iteration (back to back, 2026-12-04, docs/benchmarks.md). A variable the caller set
+wins over either default.
 
 The allocator of a process is fixed when it starts, so the ``rlhflab`` command re-executes
 itself once, with ``LD_PRELOAD`` naming the ``libmimalloc.so`` of the ``cmeel-mimalloc``
@@ -78,6 +82,7 @@ def environment(choice: str, env: dict[str, str] | None = None) -> dict[str, str
         return out
     out["LD_PRELOAD"] = ":".join(x for x in (str(lib), out.get("LD_PRELOAD", "")) if x)
     out.setdefault("MIMALLOC_PURGE_DELAY", "-1")
+    out.setdefault("MIMALLOC_ALLOW_THP", "0")  # no 2 MiB rounding of resident memory
     out[_STARTED] = "1"
     return out
 
