@@ -22,6 +22,7 @@ import ctypes
 import logging
 import os
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -41,8 +42,6 @@ def numpy_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     Both operands on the CPU in one of :data:`DTYPES`; transposed views pass to BLAS as
     they are (numpy hands their layout to gemm), other strides are copied first.
     """
-    import numpy as np
-
     out = torch.empty((a.shape[0], b.shape[1]), dtype=a.dtype)
     np.matmul(a.detach().numpy(), b.detach().numpy(), out=out.numpy())
     return out
@@ -50,6 +49,15 @@ def numpy_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
+
+
+def numpy_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """x (..., K)·Wᵀ + b → (..., N) through :func:`numpy_mm`, outside autograd (the
+    forward of :class:`_NumpyLinearFn` and of lean.py's fused SwiGLU down projection)."""
+    y = numpy_mm(_flat(x), weight.t())
+    if bias is not None:
+        y.add_(bias)
+    return y.view(*x.shape[:-1], weight.shape[0])
 
 
 class _NumpyLinearFn(torch.autograd.Function):
@@ -60,10 +68,7 @@ class _NumpyLinearFn(torch.autograd.Function):
     def forward(ctx, x, weight, bias):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        y = numpy_mm(_flat(x), weight.t())
-        if bias is not None:
-            y.add_(bias)
-        return y.view(*x.shape[:-1], weight.shape[0])
+        return numpy_linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):

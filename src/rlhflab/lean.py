@@ -109,9 +109,7 @@ class _SwiGLUDownFn(torch.autograd.Function):
         p = F.silu(gate) * up
         ctx.numpy_blas = numpy_blas and cpu_blas.takes_numpy_path(p, weight)
         if ctx.numpy_blas:
-            out = cpu_blas.numpy_mm(p.reshape(-1, p.shape[-1]), weight.t())
-            out = out.view(*p.shape[:-1], weight.shape[0])
-            return out.add_(bias) if bias is not None else out
+            return cpu_blas.numpy_linear(p, weight, bias)
         return F.linear(p, weight, bias)
 
     @staticmethod
