@@ -223,6 +223,9 @@ def run_rlhflab(
             # updates, no full set of gradients held: docs/benchmarks.md)
             "max_grad_norm": None,
             "step_in_backward": True,
+            # the default, written out: the critic's first training forward gives the old
+            # values (one minibatch), where TRL runs a separate no-grad value forward first
+            "values_from_training_forward": True,
         },
         "data": {"prompts": str(folder / "prompts.jsonl")},
         "log": {
@@ -349,8 +352,10 @@ def useful_flops(size: str, prompt_tokens: int, levers: bool = False) -> float:
     """Matmul FLOPs one iteration cannot avoid (2 per multiply-add), both sides alike.
 
     Per sequence of S = prompt + answer tokens: sampling (one policy forward over S),
-    reference forward, reward forward, old values (value forward), then each PPO epoch a
-    forward and backward (≈ 3 forwards) of policy and value model. The causal LM adds the
+    reference forward, reward forward, then each PPO epoch a forward and backward
+    (≈ 3 forwards) of policy and value model. The old values need no forward of their own:
+    with one minibatch the first epoch's value forward runs on the same weights and
+    answers (rlhflab's ppo.values_from_training_forward; TRL runs one more, not counted). The causal LM adds the
     vocabulary projection; attention adds ≈ 2·2·h·S/2 per token and layer. With the levers
     the value model is a head on the policy's backbone: its forward and backward vanish
     (int8 matmuls of reference and reward are counted like fp32 ones).
@@ -362,7 +367,7 @@ def useful_flops(size: str, prompt_tokens: int, levers: bool = False) -> float:
     if levers:
         per_seq = S * (lm + lm + cls + EPOCHS * 3 * lm)
     else:
-        per_seq = S * (lm + lm + cls + cls + EPOCHS * 3 * (lm + cls))
+        per_seq = S * (lm + lm + cls + EPOCHS * 3 * (lm + cls))
     return ROLLOUTS * per_seq
 
 

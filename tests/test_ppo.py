@@ -177,6 +177,51 @@ def test_logprobs_from_sampling_skips_the_policy_forward(tmp_path, layout, monke
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("in_backward", [False, True])
+def test_values_from_training_forward_drops_the_scoring_forward(tmp_path, in_backward):
+    """ppo.values_from_training_forward: the critic runs once per epoch, not once more to
+    score, and the run is the one without the switch (to float rounding)."""
+    calls = []
+
+    def arm(t):
+        t.cast.critic_values.register_forward_hook(lambda *_: calls.append(1))
+
+    extra = ["ppo.step_in_backward=true", "ppo.max_grad_norm=null"] if in_backward else []
+    runs, rows = _switch_pair(
+        tmp_path,
+        "separate",
+        "ppo.values_from_training_forward",
+        "ppo.minibatches=1",
+        *extra,
+        arm=arm,
+    )
+    assert len(calls) == 2 * 2  # 2 iterations × 2 epochs, no scoring forward
+    assert runs[1].kept_values is None  # the kept graph does not outlive its iteration
+    # the same values up to float rounding (a forward with autograd recording takes other
+    # kernels than a no-grad one), so the same run to 1e-5
+    assert rows[0][0] == rows[1][0]  # the critic's head starts at zero: all values are 0
+    for a, b in zip(*rows):
+        assert b.keys() == a.keys()
+        for key in a:
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
+    for get in (lambda t: t.cast.policy, lambda t: t.cast.critic):
+        for a, b in zip(get(runs[0]).parameters(), get(runs[1]).parameters()):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_values_from_training_forward_only_when_one_forward_covers_the_rollout(tmp_path):
+    for overrides, kept in (
+        (["ppo.minibatches=1"], True),
+        (["ppo.minibatches=2"], False),
+        (["ppo.minibatches=1", "ppo.micro_batch_size=4"], False),
+        (["ppo.minibatches=1", "ppo.values_from_training_forward=false"], False),
+    ):
+        t = PPOTrainer(make_cfg(tmp_path, *overrides))
+        assert t._critic_forward_kept(8) is kept, overrides
+    shared = PPOTrainer(make_cfg(tmp_path, "ppo.minibatches=1", "model.value_model=shared"))
+    assert shared._critic_forward_kept(8) is False
+
+
 def test_step_in_backward_refuses_what_needs_every_gradient_first(tmp_path):
     with pytest.raises(ConfigError, match=r"ppo\.step_in_backward.*max_grad_norm"):
         make_cfg(tmp_path, "ppo.step_in_backward=true")

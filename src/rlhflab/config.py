@@ -209,6 +209,15 @@ class PPOConfig:
         "take the old log-probs and entropy from it (ratio exactly 1) instead of a separate "
         "no-grad policy forward while scoring, as TRL does. Ignored in every other case.",
     )
+    values_from_training_forward: bool = setting(
+        True,
+        "With a separate critic and one minibatch of one micro-batch (the defaults), the "
+        "critic's first training forward sees the weights and answers the old values are "
+        "taken on: run it while scoring, take the old values from it and keep its graph "
+        "for the first value loss, instead of a separate no-grad critic forward (one "
+        "critic forward fewer per iteration, ~3.5 % of the work at 25M). Same values; the "
+        "critic runs in training mode either way. Ignored in every other case.",
+    )
     step_in_backward: bool = setting(
         False,
         "Update each weight with AdamW as soon as its gradient is complete in the backward "

@@ -139,7 +139,12 @@ def policy_outputs(
 
 @torch.no_grad()
 def score_rollout(
-    cast, rollout: Rollout, temperature: float, micro_batch: int, policy_forward: bool = True
+    cast,
+    rollout: Rollout,
+    temperature: float,
+    micro_batch: int,
+    policy_forward: bool = True,
+    critic_forward: bool = True,
 ) -> Rollout:
     """Fill old/ref log-probs, values, entropy and scores, micro-batched, without gradients.
 
@@ -147,7 +152,8 @@ def score_rollout(
     reference, one of the critic (if separate), one of the reward model.
     ``policy_forward=False`` leaves old_logprobs and entropy (and a shared backbone's values)
     as they are: the sampling pass filled them (``rollout.logprobs_from_sampling``) or the
-    training forward will (``ppo.reuse_training_forward``).
+    training forward will (``ppo.reuse_training_forward``). ``critic_forward=False`` leaves
+    a separate critic's values to its training forward (``ppo.values_from_training_forward``).
     """
     if not policy_forward and cast.shared and rollout.values is None:
         raise ValueError("score_rollout: a shared backbone's values need the policy forward")
@@ -155,6 +161,7 @@ def score_rollout(
     P = rollout.prompt_ids.shape[1]
     if policy_forward:
         score_policy(cast.policy, rollout, temperature, micro_batch)
+    critic = cast.critic_values if critic_forward else None
     parts: dict[str, list] = {"ref": [], "val": []}
     for s in range(0, len(rollout), micro_batch):
         ids, am = seqs[s : s + micro_batch], mask[s : s + micro_batch]
@@ -162,11 +169,11 @@ def score_rollout(
         T = resp.shape[1]
         ref_logits = M.causal_forward(cast.reference, ids, am, keep_last=T + 1).logits
         parts["ref"].append(A.logprobs_from_logits(ref_logits[:, :T], resp, temperature))
-        if cast.critic_values is not None:
-            parts["val"].append(cast.critic_values(ids, am)[:, response_slice(P, T)])
+        if critic is not None:
+            parts["val"].append(critic(ids, am)[:, response_slice(P, T)])
     device = rollout.response_ids.device
     rollout.ref_logprobs = torch.cat(parts["ref"]).to(device)
-    if cast.critic_values is not None:
+    if critic is not None:
         rollout.values = torch.cat(parts["val"])
     reward = cast.reward(RewardBatch(rollout.prompts, rollout.responses, seqs, mask))
     rollout.scores = reward.score.to(device)

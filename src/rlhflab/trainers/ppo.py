@@ -142,6 +142,7 @@ class PPOTrainer(PPOEpochs, PPOWatch, CheckpointedRun):
         self.run_dir = Path(cfg.log.output_dir)
         self.first_minibatch: dict[str, float] | None = None
         self.reuse_filled: torch.Tensor | None = None  # step 8 filling old log-probs
+        self.kept_values: torch.Tensor | None = None  # step 2's critic graph, for step 8
         self.in_backward = None  # step 8's UpdateInBackward under ppo.step_in_backward
         self.callbacks: list = []  # called as cb(trainer, rollout, metrics) after step 9
         self.stop_reason: str | None = None
@@ -236,10 +237,16 @@ class PPOTrainer(PPOEpochs, PPOWatch, CheckpointedRun):
         )
         t_gen = time.perf_counter() - t0
 
-        # 2. score: old and reference log-probs, values, reward
+        # 2. score: old and reference log-probs, values, reward (a separate critic's values
+        # may come from its first training forward, run here and kept for step 8)
         t0 = time.perf_counter()
         policy_forward = not reuse and rollout.old_logprobs is None
-        score_rollout(cast, rollout, r.temperature, r.score_micro_batch, policy_forward)
+        critic_now = self._critic_forward_kept(len(rollout))
+        score_rollout(
+            cast, rollout, r.temperature, r.score_micro_batch, policy_forward, not critic_now
+        )
+        if critic_now:
+            self._keep_critic_forward(rollout)
         t_score = time.perf_counter() - t0
         mask = rollout.response_mask
         # 2b. the monitor's flattery probe, on the weights that sampled this rollout
@@ -271,6 +278,7 @@ class PPOTrainer(PPOEpochs, PPOWatch, CheckpointedRun):
         else:
             train_stats = {}
             self._bad_update("reward", int((~torch.isfinite(raw_scores)).sum()))
+        self.kept_values = None  # the kept critic graph, used or not, is released here
         if reuse:
             if rollout.old_logprobs is None or not self.reuse_filled.all():
                 # an update skipped for a non-finite value: score the way step 2 would have

@@ -78,20 +78,27 @@ class PPOEpochs:
                     with accumulate(trained, sync):
                         # A separate critic's graph is disjoint from the policy's: backward
                         # each as soon as it is built, so only one model's activations are
-                        # alive at a time (same gradients, half the activation peak).
-                        total, pg, pg_stats, vf, vf_stats = self._micro_loss(
+                        # alive at a time (same gradients, half the activation peak). The
+                        # graph step 2 kept goes first, before the policy's is built.
+                        separate = returns is not None and not cast.shared
+                        critic_first = separate and self.kept_values is not None
+                        if critic_first:
+                            vf, vf_stats, finite = self._critic_step(ro, i, m, returns, agg, P)
+                            if not finite:
+                                break
+                        total, pg, pg_stats, vf_head, vf_head_stats = self._micro_loss(
                             ro, i, m, advantages, returns, beta, agg, seqs, attn, P
                         )
                         if not self.ctx.all_true(bool(torch.isfinite(total))):
                             finite = False
                             break
                         total.backward()
-                        if returns is not None and not cast.shared:
-                            vf, vf_stats = self._critic_loss(ro, i, m, returns, agg, seqs, attn, P)
-                            if not self.ctx.all_true(bool(torch.isfinite(vf))):
-                                finite = False
+                        if not separate:  # the value loss (if any) was in the policy's
+                            vf, vf_stats = vf_head, vf_head_stats
+                        elif not critic_first:
+                            vf, vf_stats, finite = self._critic_step(ro, i, m, returns, agg, P)
+                            if not finite:
                                 break
-                            vf.backward()
                     share = m.sum().item() / n_tokens.item()
                     named = {
                         "policy/loss": pg.item(),
@@ -156,10 +163,43 @@ class PPOEpochs:
         total = loss + self.cfg.model.vf_coef * vf
         return total, pg, pg_stats, vf, vf_stats
 
-    def _critic_loss(self, ro, i, m, returns, agg, seqs, attn, P):
-        """Value loss of one micro-batch for a separate critic (its own forward)."""
-        values = self.train_critic(seqs[i], attn[i])[:, response_slice(P, ro.response_ids.shape[1])]
-        return self._value_loss(values, ro, i, m, returns, agg)
+    def _critic_step(self, ro, i, m, returns, agg, P):
+        """Value loss of one micro-batch for a separate critic and its backward; returns
+        (loss, stats, finite) and runs no backward when the loss is not finite. The values
+        come from the critic's own forward, or from the one step 2 kept (then ``i`` is the
+        whole rollout, in shuffled order)."""
+        if self.kept_values is not None:
+            values, self.kept_values = self.kept_values[i], None
+        else:
+            T = ro.response_ids.shape[1]
+            values = self.train_critic(ro.sequences[i], ro.attention_mask[i])
+            values = values[:, response_slice(P, T)]
+        vf, vf_stats = self._value_loss(values, ro, i, m, returns, agg)
+        finite = self.ctx.all_true(bool(torch.isfinite(vf)))
+        if finite:
+            vf.backward()
+        return vf, vf_stats, finite
+
+    def _critic_forward_kept(self, rollout_size: int) -> bool:
+        """Whether step 2 runs the critic's first training forward and keeps its graph
+        (ppo.values_from_training_forward): a separate critic, and the first update covers
+        the whole rollout in one micro-batch, so that forward sees the very weights and
+        answers the old values are taken on."""
+        p = self.cfg.ppo
+        return (
+            p.values_from_training_forward
+            and self.train_critic is not None
+            and p.minibatches == 1
+            and (p.micro_batch_size or rollout_size) >= rollout_size
+        )
+
+    def _keep_critic_forward(self, ro: Rollout) -> None:
+        """Step 2's part under ppo.values_from_training_forward: the old values, detached,
+        and the graph that step 8's first value loss backpropagates."""
+        P, T = ro.prompt_ids.shape[1], ro.response_ids.shape[1]
+        values = self.train_critic(ro.sequences, ro.attention_mask)[:, response_slice(P, T)]
+        ro.values = values.detach()
+        self.kept_values = values
 
     def _value_loss(self, values, ro, i, m, returns, agg):
         p = self.cfg.ppo
