@@ -9,7 +9,7 @@ import torch
 
 from rlhflab import models as M
 from rlhflab.lean import make_activations_lean
-from rlhflab.native import NativeConfigError, attention_mask_4d, read_config
+from rlhflab.native import NativeConfigError, apply_rotary, attention_mask_4d, read_config
 from rlhflab.native_models import load_native
 from rlhflab.presets import build_preset, preset_path
 from tests.test_lean import tiny_llama
@@ -68,6 +68,21 @@ def test_logits_and_hidden_states_match_transformers(which, gqa_folder):
     layers = nat.config.num_hidden_layers
     assert make_activations_lean(nat) == 3 * layers + 1
     torch.testing.assert_close(M.causal_forward(nat, ids, mask).logits, b, rtol=0, atol=0)
+
+
+def test_rotary_is_transformers_expression_and_its_gradient_the_inverse_rotation():
+    """apply_rotary on a transposed (B, heads, L, d) view, against q·cos + rotate_half(q)·sin
+    written out with the repeated angles, in float64; gradcheck for the backward."""
+    B, H, L, D = 2, 3, 5, 8
+    q = torch.randn(B, L, H, D, dtype=torch.float64).transpose(1, 2).requires_grad_()
+    angles = torch.randn(B, 1, L, D // 2, dtype=torch.float64)
+    c, s = angles.cos(), angles.sin()
+    cos, sin = torch.cat((c, c), -1), torch.cat((s, s), -1)
+    rotate_half = torch.cat((-q[..., D // 2 :], q[..., : D // 2]), -1)
+    torch.testing.assert_close(apply_rotary(q, c, s), q * cos + rotate_half * sin)
+    assert torch.autograd.gradcheck(lambda x: apply_rotary(x, c, s), (q,))
+    with torch.no_grad():  # the no-grad path is the same function
+        torch.testing.assert_close(apply_rotary(q, c, s), q * cos + rotate_half * sin)
 
 
 def test_cached_decoding_equals_one_full_forward(gqa_folder):

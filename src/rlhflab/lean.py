@@ -75,9 +75,11 @@ def _swiglu_backward(grad_p, gate, up, want_p: bool = False):
     sig = torch.sigmoid(gate)
     silu = gate * sig
     p = silu * up if want_p else None
+    # d SiLU(g)/dg = σ(g)·(1 + g·(1 − σ(g))) = σ(g)·(1 − SiLU(g)) + SiLU(g): with addcmul
+    # that is 7 passes over intermediate-width tensors for both gradients instead of 10
+    grad_gate = torch.sub(1, silu)
+    torch.addcmul(silu, sig, grad_gate, out=grad_gate).mul_(up).mul_(grad_p)
     grad_up = silu.mul_(grad_p)  # silu is not needed again
-    # d SiLU(g)/dg = σ(g)·(1 + g·(1 − σ(g)))
-    grad_gate = torch.sub(1, sig).mul_(gate).add_(1).mul_(sig).mul_(up).mul_(grad_p)
     return grad_gate, grad_up, p
 
 
