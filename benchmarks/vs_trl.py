@@ -21,8 +21,10 @@ transformers`` runs it on transformers' classes instead. rlhflab's worker starts
 allocator the ``rlhflab`` command starts on (``--allocator auto``: mimalloc where installed,
 rlhflab/allocator.py), TRL's on the system's; ``--trl-allocator mimalloc`` runs TRL on the
 same library, to tell the allocator's share from the rest. rlhflab multiplies its Linear
-layers through numpy's OpenBLAS (``model.cpu_matmul=numpy``; ``--cpu-matmul torch`` for
-torch's MKL, TRL's only choice), faster on these AMD CPUs. The last lines are ``time ratio <size>: X``,
+layers through whichever of torch's MKL and numpy's OpenBLAS (``model.cpu_matmul``) reached
+the higher one-thread fp32 rate on this size's shapes, measured first (``--cpu-matmul
+auto``; OpenBLAS won on the AMD EPYC VMs, MKL on the Intel Xeon ones; ``torch`` or
+``numpy`` forces one; TRL always runs on MKL). The last lines are ``time ratio <size>: X``,
 ``memory ratio <size>: Y`` and ``time ratio 25M with levers: Z``.
 
     python benchmarks/vs_trl.py --setup                 # once: TRL's own environment
@@ -191,8 +193,8 @@ def run_rlhflab(
             "policy": str(folder / "policy"),
             "value_model": "from_reward",
             "runtime": runtime,
-            # numpy's OpenBLAS for the Linear layers' products: faster than torch's MKL on
-            # the AMD CPUs this runs on (benchmarks/cpu_matmul.py); same FLOPs, same fp32
+            # the Linear layers' products through torch's MKL or numpy's OpenBLAS, whichever
+            # main() measured faster here (benchmarks/cpu_matmul.py); same FLOPs, same fp32
             "cpu_matmul": cpu_matmul,
         },
         "reward": {"model": str(folder / "reward"), "normalize": "none", "clip": None},
@@ -497,9 +499,10 @@ def main() -> None:
     )
     ap.add_argument(
         "--cpu-matmul",
-        default="numpy",
-        choices=("numpy", "torch"),
-        help="rlhflab's model.cpu_matmul (numpy: OpenBLAS; torch: MKL, as TRL)",
+        default="auto",
+        choices=("auto", "numpy", "torch"),
+        help="rlhflab's model.cpu_matmul (numpy: OpenBLAS; torch: MKL, as TRL; auto: the "
+        "faster of the two on this size's shapes, measured before the runs)",
     )
     ap.add_argument(
         "--allocator",
@@ -525,9 +528,15 @@ def main() -> None:
     results: dict[str, dict] = {}
     for size in args.sizes:
         folder = build_models(size, work / f"models-{size}")
+        prompt_tokens = prompt_length(folder)
+        ceiling = matmul_ceiling(size, prompt_tokens)
+        cpu_matmul = args.cpu_matmul
+        if cpu_matmul == "auto":
+            cpu_matmul = "numpy" if ceiling["numpy"] > ceiling["torch"] else "torch"
+        print(f"{size}: rlhflab multiplies through {cpu_matmul} ({ceiling})", flush=True)
         runs: dict[str, list] = {"rlhflab": [], "trl": [], "rlhflab-levers": []}
         for _ in range(args.rounds):  # A B A B
-            ours_args = (args.runtime, args.allocator, args.cpu_matmul)
+            ours_args = (args.runtime, args.allocator, cpu_matmul)
             runs["rlhflab"].append(run_side(ours, "rlhflab", folder, size, total, *ours_args))
             runs["trl"].append(
                 run_side(trl_py, "trl", folder, size, total, allocator=args.trl_allocator)
@@ -535,13 +544,13 @@ def main() -> None:
             if not args.no_levers:
                 lever_run = run_side(ours, "rlhflab-levers", folder, size, total, *ours_args)
                 runs["rlhflab-levers"].append(lever_run)
-        prompt_tokens = prompt_length(folder)
         flops = useful_flops(size, prompt_tokens)
         row = {k: summarise(v, args.warmup) for k, v in runs.items() if v}
         for side, r in row.items():
             side_flops = useful_flops(size, prompt_tokens, levers=side == "rlhflab-levers")
             r["gflops"] = side_flops / r["s_per_it"] / 1e9
-        row["ceiling_gflops"] = matmul_ceiling(size, prompt_tokens)
+        row["ceiling_gflops"] = ceiling
+        row["cpu_matmul"] = cpu_matmul
         row["flops_per_it"] = flops
         results[size] = row
         print(format_size(size, row), flush=True)
@@ -549,7 +558,7 @@ def main() -> None:
         json.dumps(
             {
                 "runtime": args.runtime,
-                "cpu_matmul": args.cpu_matmul,
+                "cpu_matmul": args.cpu_matmul,  # per size under each size's key
                 "allocator": args.allocator,
                 "trl_allocator": args.trl_allocator,
                 **results,
@@ -583,7 +592,8 @@ def format_size(size: str, row: dict) -> str:
     lines = [
         f"## {size}: {row['flops_per_it'] / 1e9:.1f} GFLOP of useful work per iteration, "
         f"one-thread fp32 matmul ceiling {row['ceiling_gflops']['torch']:.0f} GFLOP/s "
-        f"through torch, {row['ceiling_gflops']['numpy']:.0f} through numpy",
+        f"through torch, {row['ceiling_gflops']['numpy']:.0f} through numpy; rlhflab "
+        f"multiplies through {row['cpu_matmul']}",
         "| side | s/iteration (median) | min–max | gen tokens/s | peak MiB | GFLOP/s |",
         "| --- | ---: | --- | ---: | ---: | ---: |",
     ]
