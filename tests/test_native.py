@@ -9,7 +9,13 @@ import torch
 
 from rlhflab import models as M
 from rlhflab.lean import make_activations_lean
-from rlhflab.native import NativeConfigError, apply_rotary, attention_mask_4d, read_config
+from rlhflab.native import (
+    KVCache,
+    NativeConfigError,
+    apply_rotary,
+    attention_mask_4d,
+    read_config,
+)
 from rlhflab.native_models import load_native
 from rlhflab.presets import build_preset, preset_path
 from tests.test_lean import tiny_llama
@@ -83,6 +89,29 @@ def test_rotary_is_transformers_expression_and_its_gradient_the_inverse_rotation
     assert torch.autograd.gradcheck(lambda x: apply_rotary(x, c, s), (q,))
     with torch.no_grad():  # the no-grad path is the same function
         torch.testing.assert_close(apply_rotary(q, c, s), q * cos + rotate_half * sin)
+
+
+def test_kv_cache_growing_in_place_holds_what_concatenation_would():
+    """Appends of 1 and 2 positions across several doublings of the buffers, two layers;
+    then one prompt's cache repeated for its continuations."""
+    cache, keys, values = KVCache(), [], []
+    for chunk in (3, 1, 1, 2, 1, 1, 1, 1, 2, 1):
+        for layer in range(2):
+            k, v = torch.randn(2, 3, chunk, 4), torch.randn(2, 3, chunk, 4)
+            if layer == len(keys):
+                keys.append(k)
+                values.append(v)
+            else:
+                keys[layer] = torch.cat([keys[layer], k], 2)
+                values[layer] = torch.cat([values[layer], v], 2)
+            got_k, got_v = cache.update(layer, k, v)
+            assert torch.equal(got_k, keys[layer]) and torch.equal(got_v, values[layer])
+    assert cache.get_seq_length() == 14
+    cache.batch_repeat_interleave(2)
+    k, v = torch.randn(4, 3, 1, 4), torch.randn(4, 3, 1, 4)
+    got_k, _ = cache.update(0, k, v)
+    want = torch.cat([keys[0].repeat_interleave(2, 0), k], 2)
+    assert torch.equal(got_k, want)
 
 
 def test_cached_decoding_equals_one_full_forward(gqa_folder):
