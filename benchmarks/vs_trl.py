@@ -15,7 +15,8 @@ second, peak resident memory (VmHWM of the worker; torch's libraries are evicted
 page cache before each worker starts, so both sides map them cold), achieved GFLOP/s of useful work
 (counted below) against a one-thread fp32 matmul ceiling measured here, and the ratios.
 A second table runs rlhflab with the recommended levers (shared policy/value backbone,
-int8 reference and reward model). rlhflab runs with ``model.runtime=native`` (its own Llama
+reference and reward model in bf16 or int8, whichever multiplies faster here, measured
+first; ``--lever-precision`` forces one). rlhflab runs with ``model.runtime=native`` (its own Llama
 forward and AdamW over the same files: same arithmetic, fewer imports); ``--runtime
 transformers`` runs it on transformers' classes instead. rlhflab's worker starts on the
 allocator the ``rlhflab`` command starts on (``--allocator auto``: mimalloc where installed,
@@ -179,6 +180,7 @@ def run_rlhflab(
     levers: bool,
     runtime: str = "native",
     cpu_matmul: str = "numpy",
+    lever_precision: str = "int8",
 ) -> dict:
     import torch
 
@@ -240,7 +242,9 @@ def run_rlhflab(
     }
     if levers:
         base["model"].update(
-            value_model="shared", reference_precision="int8", reward_precision="int8"
+            value_model="shared",
+            reference_precision=lever_precision,
+            reward_precision=lever_precision,
         )
     return timed_fit(PPOTrainer(load_config(base=base)))
 
@@ -345,7 +349,7 @@ def worker_main(argv: list[str]) -> None:
         out = run_trl(folder, answer, iterations)
     else:
         levers = side == "rlhflab-levers"
-        out = run_rlhflab(folder, answer, iterations, levers, runtime=argv[4], cpu_matmul=argv[5])
+        out = run_rlhflab(folder, answer, iterations, levers, *argv[4:7])
     print("RESULT " + json.dumps(out), flush=True)
 
 
@@ -371,6 +375,35 @@ def useful_flops(size: str, prompt_tokens: int, levers: bool = False) -> float:
     else:
         per_seq = S * (lm + lm + cls + EPOCHS * 3 * (lm + cls))
     return ROLLOUTS * per_seq
+
+
+def frozen_precision_rates(size: str, prompt_tokens: int) -> dict[str, float]:
+    """GFLOP/s of one no-grad Linear of this size's MLP shape (hidden → intermediate, all
+    rollout tokens) in bf16 and in int8 (torch's dynamic quantisation, as rlhflab's
+    ``int8`` precision runs it), one thread: which low precision the levers' reference and
+    reward model should take here (bf16 is fast only where the CPU multiplies bf16 natively,
+    e.g. AMX; int8 on AVX2/AVX-512 VNNI)."""
+    import torch
+    from torch.ao.quantization import quantize_dynamic
+
+    torch.set_num_threads(1)
+    hidden, inter, _, _, answer = SIZES[size]
+    rows = ROLLOUTS * (prompt_tokens + answer)
+    x, lin = torch.randn(rows, hidden), torch.nn.Linear(hidden, inter, bias=False)
+    models = {
+        "bf16": (torch.nn.Linear(hidden, inter, bias=False).bfloat16(), x.bfloat16()),
+        "int8": (quantize_dynamic(torch.nn.Sequential(lin), {torch.nn.Linear}), x),
+    }
+    rates = {}
+    with torch.no_grad():
+        for name, (model, inp) in models.items():
+            model(inp)
+            reps, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < 0.5:
+                model(inp)
+                reps += 1
+            rates[name] = 2 * rows * hidden * inter * reps / (time.perf_counter() - t0) / 1e9
+    return rates
 
 
 def matmul_ceiling(size: str, prompt_tokens: int) -> dict[str, float]:
@@ -412,6 +445,7 @@ def run_side(
     runtime: str = "native",
     allocator: str = "system",
     cpu_matmul: str = "numpy",
+    lever_precision: str = "int8",
 ) -> dict:
     from rlhflab.allocator import environment
 
@@ -435,6 +469,7 @@ def run_side(
         str(iterations),
         runtime,
         cpu_matmul,
+        lever_precision,
     ]
     evict_torch_libraries(python)
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -505,6 +540,13 @@ def main() -> None:
         "faster of the two on this size's shapes, measured before the runs)",
     )
     ap.add_argument(
+        "--lever-precision",
+        default="auto",
+        choices=("auto", "int8", "bf16"),
+        help="the levers' reference and reward precision (auto: the faster of bf16 and int8 "
+        "on this size's shapes, measured before the runs)",
+    )
+    ap.add_argument(
         "--allocator",
         default="auto",
         choices=("auto", "mimalloc", "system"),
@@ -534,9 +576,14 @@ def main() -> None:
         if cpu_matmul == "auto":
             cpu_matmul = "numpy" if ceiling["numpy"] > ceiling["torch"] else "torch"
         print(f"{size}: rlhflab multiplies through {cpu_matmul} ({ceiling})", flush=True)
+        lever_precision = args.lever_precision
+        if lever_precision == "auto":
+            low = frozen_precision_rates(size, prompt_tokens)
+            lever_precision = max(low, key=low.get)
+            print(f"{size}: levers' reference and reward in {lever_precision} ({low})", flush=True)
         runs: dict[str, list] = {"rlhflab": [], "trl": [], "rlhflab-levers": []}
         for _ in range(args.rounds):  # A B A B
-            ours_args = (args.runtime, args.allocator, cpu_matmul)
+            ours_args = (args.runtime, args.allocator, cpu_matmul, lever_precision)
             runs["rlhflab"].append(run_side(ours, "rlhflab", folder, size, total, *ours_args))
             runs["trl"].append(
                 run_side(trl_py, "trl", folder, size, total, allocator=args.trl_allocator)
@@ -551,6 +598,7 @@ def main() -> None:
             r["gflops"] = side_flops / r["s_per_it"] / 1e9
         row["ceiling_gflops"] = ceiling
         row["cpu_matmul"] = cpu_matmul
+        row["lever_precision"] = lever_precision
         row["flops_per_it"] = flops
         results[size] = row
         print(format_size(size, row), flush=True)
@@ -593,7 +641,8 @@ def format_size(size: str, row: dict) -> str:
         f"## {size}: {row['flops_per_it'] / 1e9:.1f} GFLOP of useful work per iteration, "
         f"one-thread fp32 matmul ceiling {row['ceiling_gflops']['torch']:.0f} GFLOP/s "
         f"through torch, {row['ceiling_gflops']['numpy']:.0f} through numpy; rlhflab "
-        f"multiplies through {row['cpu_matmul']}",
+        f"multiplies through {row['cpu_matmul']}; levers' reference and reward in "
+        f"{row['lever_precision']}",
         "| side | s/iteration (median) | min–max | gen tokens/s | peak MiB | GFLOP/s |",
         "| --- | ---: | --- | ---: | ---: | ---: |",
     ]
