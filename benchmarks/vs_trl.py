@@ -44,6 +44,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -390,9 +391,12 @@ def frozen_precision_rates(size: str, prompt_tokens: int) -> dict[str, float]:
     hidden, inter, _, _, answer = SIZES[size]
     rows = ROLLOUTS * (prompt_tokens + answer)
     x, lin = torch.randn(rows, hidden), torch.nn.Linear(hidden, inter, bias=False)
+    with warnings.catch_warnings():  # torch.ao's deprecation notices, not ours to act on
+        warnings.simplefilter("ignore")
+        int8 = quantize_dynamic(torch.nn.Sequential(lin), {torch.nn.Linear})
     models = {
         "bf16": (torch.nn.Linear(hidden, inter, bias=False).bfloat16(), x.bfloat16()),
-        "int8": (quantize_dynamic(torch.nn.Sequential(lin), {torch.nn.Linear}), x),
+        "int8": (int8, x),
     }
     rates = {}
     with torch.no_grad():

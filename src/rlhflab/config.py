@@ -90,9 +90,9 @@ class ModelConfig:
         "(OpenBLAS in its wheels) for products of 64 rows or more, in forward and backward "
         "(rlhflab/cpu_blas.py): on the AMD EPYC machines we test on, OpenBLAS multiplies "
         "float32 6-12 % faster than MKL (benchmarks/cpu_matmul.py), and matmuls are most of "
-        "a CPU run. Same results to float rounding. Off by default: MKL is tuned for Intel "
-        "CPUs (not measured here), so run the benchmark on yours before switching. CPU "
-        "device only.",
+        "a CPU run; on the Intel Xeon (AVX-512) machines it is 4-15 % slower. Same results "
+        "to float rounding. Off by default: run the benchmark on your CPU before switching. "
+        "CPU device only.",
         choices=("torch", "numpy"),
     )
     lora_r: int = setting(
