@@ -215,7 +215,7 @@ class PPOConfig:
         "critic's first training forward sees the weights and answers the old values are "
         "taken on: run it while scoring, take the old values from it and keep its graph "
         "for the first value loss, instead of a separate no-grad critic forward (one "
-        "critic forward fewer per iteration, ~3.5 % of the work at 25M). Same values; the "
+        "critic forward fewer per iteration, ~3.6 % of the work at 25M). Same values; the "
         "critic runs in training mode either way. Ignored in every other case.",
     )
     step_in_backward: bool = setting(
