@@ -362,10 +362,11 @@ def useful_flops(size: str, prompt_tokens: int, levers: bool = False) -> float:
     reference forward, reward forward, then each PPO epoch a forward and backward
     (≈ 3 forwards) of policy and value model. The old values need no forward of their own:
     with one minibatch the first epoch's value forward runs on the same weights and
-    answers (rlhflab's ppo.values_from_training_forward; TRL runs one more, not counted). The causal LM adds the
-    vocabulary projection; attention adds ≈ 2·2·h·S/2 per token and layer. With the levers
-    the value model is a head on the policy's backbone: its forward and backward vanish
-    (int8 matmuls of reference and reward are counted like fp32 ones).
+    answers (rlhflab's ppo.values_from_training_forward; TRL runs one more, not counted).
+    The causal LM adds the vocabulary projection; attention adds ≈ 2·2·h·S/2 per token and
+    layer. With the levers the value model is a head on the policy's backbone: its forward
+    and backward vanish (bf16 or int8 matmuls of reference and reward are counted like fp32
+    ones).
     """
     hidden, inter, layers, _, answer = SIZES[size]
     vocab, S = 440, prompt_tokens + answer
