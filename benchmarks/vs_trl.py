@@ -386,6 +386,7 @@ def frozen_precision_rates(size: str, prompt_tokens: int) -> dict[str, float]:
     reward model should take here (bf16 is fast only where the CPU multiplies bf16 natively,
     e.g. AMX; int8 on AVX2/AVX-512 VNNI)."""
     import torch
+    from cpu_matmul import rate  # this folder's benchmark: one timing loop for both scripts
     from torch.ao.quantization import quantize_dynamic
 
     torch.set_num_threads(1)
@@ -399,16 +400,12 @@ def frozen_precision_rates(size: str, prompt_tokens: int) -> dict[str, float]:
         "bf16": (torch.nn.Linear(hidden, inter, bias=False).bfloat16(), x.bfloat16()),
         "int8": (int8, x),
     }
-    rates = {}
+    flops = 2 * rows * hidden * inter
     with torch.no_grad():
-        for name, (model, inp) in models.items():
-            model(inp)
-            reps, t0 = 0, time.perf_counter()
-            while time.perf_counter() - t0 < 0.5:
-                model(inp)
-                reps += 1
-            rates[name] = 2 * rows * hidden * inter * reps / (time.perf_counter() - t0) / 1e9
-    return rates
+        return {
+            name: rate(lambda m=model, x=inp: m(x), flops, seconds=0.5)
+            for name, (model, inp) in models.items()
+        }
 
 
 def matmul_ceiling(size: str, prompt_tokens: int) -> dict[str, float]:
@@ -416,6 +413,7 @@ def matmul_ceiling(size: str, prompt_tokens: int) -> dict[str, float]:
     torch.mm (MKL in torch's CPU wheels) and numpy.matmul (OpenBLAS in numpy's wheels)."""
     import numpy as np
     import torch
+    from cpu_matmul import rate
 
     from rlhflab.cpu_blas import set_numpy_blas_threads
 
@@ -430,13 +428,8 @@ def matmul_ceiling(size: str, prompt_tokens: int) -> dict[str, float]:
             ("torch", torch.mm),
             ("numpy", lambda x, y: np.matmul(x.numpy(), y.numpy())),
         ):
-            mm(a, b)
-            reps, t0 = 0, time.perf_counter()
-            while time.perf_counter() - t0 < 0.5:
-                mm(a, b)
-                reps += 1
-            rate = 2 * rows * k * n * reps / (time.perf_counter() - t0) / 1e9
-            rates[lib] = max(rates[lib], rate)
+            gflops = rate(lambda mm=mm, a=a, b=b: mm(a, b), 2 * rows * k * n, seconds=0.5)
+            rates[lib] = max(rates[lib], gflops)
     return rates
 
 
