@@ -421,7 +421,8 @@ def value_loss(
     values (with grad), old_values, returns, response_mask: (B, T). ``clip_range=None`` gives
     the plain ½(V − R)². The clip is in reward units (OAI19 0.2; verl/OpenRLHF 0.5).
 
-    Metrics: ``vf_clipfrac`` = fraction of tokens where the clipped error is the larger;
+    Metrics: ``vf_clipfrac`` = fraction of tokens where the clip binds (|V − V_old| > c) and
+    the clipped error is the larger;
     ``explained_variance`` = 1 − Var(R − V_old)/Var(R) over response tokens (0 when Var(R) = 0);
     ``value_mean``, ``return_mean``.
     """
@@ -441,7 +442,9 @@ def value_loss(
         v_clipped = v_old + torch.clamp(v - v_old, -clip_range, clip_range)
         err_clipped = (v_clipped - ret).pow(2)
         per_token = torch.maximum(err, err_clipped)
-        clip_hit = err_clipped > err
+        # a clip only where the clamp bound: inside the range V_old + (V − V_old) is V up to
+        # rounding, which would otherwise count ulp-sized "clips" (the loss is the same)
+        clip_hit = (err_clipped > err) & ((v - v_old).abs() > clip_range)
     loss = 0.5 * aggregate(per_token, m, agg, **agg_kwargs)
     with torch.no_grad():
         var_ret = masked_var(ret, m)
