@@ -66,14 +66,71 @@ def test_logits_and_hidden_states_match_transformers(which, gqa_folder):
     a = M.causal_forward(hf, ids, mask).logits
     b = M.causal_forward(nat, ids, mask).logits
     torch.testing.assert_close(b[real], a[real], rtol=1e-5, atol=1e-5)
-    kept = M.causal_forward(nat, ids, mask, keep_last=4).logits
-    torch.testing.assert_close(kept, b[:, -4:], rtol=0, atol=0)
+    kept = M.causal_forward(nat, ids, mask, keep_last=4).logits  # float64 test below
+    torch.testing.assert_close(kept, b[:, -4:], rtol=1e-5, atol=1e-6)
     ha, hb = M.backbone_hidden(hf, ids, mask), M.backbone_hidden(nat, ids, mask)
     torch.testing.assert_close(hb[real], ha[real], rtol=1e-5, atol=1e-5)
     # the lean activations recognise the native blocks (2 norms + MLP per layer, final norm)
     layers = nat.config.num_hidden_layers
     assert make_activations_lean(nat) == 3 * layers + 1
     torch.testing.assert_close(M.causal_forward(nat, ids, mask).logits, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("padded", [True, False])
+def test_last_layer_runs_on_the_kept_rows_only_and_changes_nothing(padded, gqa_folder):
+    """keep_last: the native last layer computes queries, attention and MLP for the kept
+    rows only (a hook sees their count), and logits, values, a reward model's last-token
+    state and every parameter's gradient equal the full forward's, in float64. Unpadded
+    batches take the bottom-right causal mask, padded ones the sliced padding mask."""
+    tok = M.load_tokenizer(gqa_folder)
+    nat = M.load_causal_lm(gqa_folder, tok, dtype=torch.float64, runtime="native").eval()
+    ids, mask = _batch()
+    if not padded:
+        mask = torch.ones_like(mask)
+    rows_seen = []
+    last_mlp = nat.model.layers[-1].mlp
+    last_mlp.register_forward_hook(lambda mod, args, out: rows_seen.append(args[0].shape[1]))
+
+    def grads(loss):
+        nat.zero_grad()
+        loss.backward()
+        return {n: p.grad.clone() for n, p in nat.named_parameters()}
+
+    weights = torch.randn(3, 4, nat.config.vocab_size, dtype=torch.float64)
+    full = M.causal_forward(nat, ids, mask).logits
+    want = grads((full[:, -4:] * weights).sum())
+    kept = M.causal_forward(nat, ids, mask, keep_last=4).logits
+    got = grads((kept * weights).sum())
+    assert rows_seen == [9, 4]
+    torch.testing.assert_close(kept, full[:, -4:], rtol=1e-12, atol=1e-12)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-12, msg=name)
+    # as many rows as the sequence, or more: the full forward
+    for n in (9, 20):
+        torch.testing.assert_close(M.causal_forward(nat, ids, mask, keep_last=n).logits, full)
+    assert rows_seen[-2:] == [9, 9]
+    with torch.no_grad():
+        hidden = M.backbone_hidden(nat, ids, mask)
+        torch.testing.assert_close(M.backbone_hidden(nat, ids, mask, keep_last=3), hidden[:, -3:])
+        # a reward model's pooling: right-padded rows end at 5, 8 and 6
+        right = torch.ones_like(mask)
+        right[0, 6:], right[2, 7:] = 0, 0
+        last = torch.tensor([5, 8, 6])
+        want_last = M.backbone_hidden(nat, ids, right)[torch.arange(3), last]
+        del rows_seen[:]
+        torch.testing.assert_close(M.last_token_hidden(nat, ids, right), want_last)
+        assert rows_seen == [4]  # the last layer from the earliest last token (5) on
+
+
+def test_transformers_backbone_keeps_the_same_rows(gqa_folder):
+    """The keep_last contract holds for transformers' models too (rows dropped after)."""
+    tok = M.load_tokenizer(gqa_folder)
+    hf = M.load_causal_lm(gqa_folder, tok, dtype=torch.float64).eval()
+    ids, mask = _batch()
+    with torch.no_grad():
+        hidden = M.backbone_hidden(hf, ids, mask)
+        torch.testing.assert_close(M.backbone_hidden(hf, ids, mask, keep_last=3), hidden[:, -3:])
+        torch.testing.assert_close(M.last_token_hidden(hf, ids, mask), hidden[:, -1])
 
 
 def test_rotary_is_transformers_expression_and_its_gradient_the_inverse_rotation():

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from rlhflab.native import NativeLlamaModel
 from rlhflab.presets import PAD, preset_path
 
 
@@ -227,17 +228,43 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def backbone_hidden(model, input_ids, attention_mask) -> torch.Tensor:
-    """Last hidden states (B, L, H) of a CausalLM or SequenceClassification model's backbone."""
+def backbone_hidden(model, input_ids, attention_mask, keep_last: int = 0) -> torch.Tensor:
+    """Last hidden states (B, L, H) of a CausalLM or SequenceClassification model's backbone;
+    ``keep_last=N`` > 0: of the last N positions only, (B, min(N, L), H). The native runtime
+    then runs its last layer on those rows only (``NativeLlamaModel.forward``); transformers'
+    models compute every row and the rest are dropped."""
     if hasattr(model, "get_base_model"):  # a peft model: LoRA layers are injected in place
         model = model.get_base_model()
+    kwargs = {}
+    native = isinstance(model.base_model, NativeLlamaModel)
+    if native and keep_last:
+        kwargs["keep_last"] = keep_last
     out = model.base_model(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids_from_mask(attention_mask),
         use_cache=False,
+        **kwargs,
     )
-    return out.last_hidden_state
+    hidden = out.last_hidden_state
+    return hidden[:, -keep_last:] if keep_last and not native else hidden
+
+
+def last_token_hidden(model, input_ids, attention_mask) -> torch.Tensor:
+    """Hidden states (B, H) at each row's last real token (a reward model's pooling), with
+    the backbone's last layer run from the leftmost of those positions on (one host sync
+    to find it): answers forced to full length need that layer for one row each."""
+    last = last_real_index(attention_mask)
+    keep = input_ids.shape[1] - int(last.min())
+    hidden = backbone_hidden(model, input_ids, attention_mask, keep_last=keep)
+    rows = torch.arange(input_ids.shape[0], device=hidden.device)
+    return hidden[rows, last - (input_ids.shape[1] - hidden.shape[1])]
+
+
+def last_real_index(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B, L) mask → (B,) index of the last 1 (works for left and right padding)."""
+    pos = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    return torch.where(attention_mask.bool(), pos, -1).max(dim=1).values
 
 
 def causal_forward(model, input_ids, attention_mask, keep_last: int = 0, **kwargs):
@@ -277,9 +304,10 @@ class PolicyWithValueHead(nn.Module):
         return self.lm.config
 
     def forward(self, input_ids, attention_mask, keep_last: int = 0):
-        """(logits, values); logits for the last ``keep_last`` positions only when > 0."""
-        hidden = backbone_hidden(self.lm, input_ids, attention_mask)
-        logits = self.lm.get_output_embeddings()(hidden[:, -keep_last:] if keep_last else hidden)
+        """(logits (B, N, V), values (B, N)) for the last N = ``keep_last`` positions when
+        > 0, else for all L."""
+        hidden = backbone_hidden(self.lm, input_ids, attention_mask, keep_last)
+        logits = self.lm.get_output_embeddings()(hidden)
         values = self.value_head(hidden).squeeze(-1).clone()  # not a view (FSDP2 hooks)
         return logits, values
 
@@ -292,14 +320,16 @@ class CriticValues(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids, attention_mask):
+    def forward(self, input_ids, attention_mask, keep_last: int = 0):
         # a fresh tensor, not a view: FSDP2 hooks its backward onto the output
-        return token_values(self.model, input_ids, attention_mask).clone()
+        return token_values(self.model, input_ids, attention_mask, keep_last).clone()
 
 
-def token_values(critic, input_ids, attention_mask) -> torch.Tensor:
-    """Per-token values (B, L) from a sequence-classification critic's ``score`` head."""
-    return critic.score(backbone_hidden(critic, input_ids, attention_mask)).squeeze(-1).float()
+def token_values(critic, input_ids, attention_mask, keep_last: int = 0) -> torch.Tensor:
+    """Per-token values (B, L) from a sequence-classification critic's ``score`` head; of the
+    last ``keep_last`` positions only, (B, keep_last), when > 0 (see :func:`backbone_hidden`)."""
+    hidden = backbone_hidden(critic, input_ids, attention_mask, keep_last)
+    return critic.score(hidden).squeeze(-1).float()
 
 
 def critic_from_causal_lm(path, tokenizer, trust_remote_code=False, runtime="transformers"):

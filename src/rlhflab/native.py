@@ -226,26 +226,41 @@ class NativeAttention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * hd, bias=bias)
         self.o_proj = nn.Linear(self.heads * hd, cfg.hidden_size, bias=bias)
 
-    def forward(self, x, cos, sin, mask, cache: KVCache | None):
+    def forward(self, x, cos, sin, mask, cache: KVCache | None, keep: int = 0):
         """x (B, L, H); cos/sin (B, L, head_dim / 2); mask (B, 1, L, T) bool or None =
-        causal."""
+        causal. ``keep`` > 0: queries (and the output, (B, keep, H)) for the last ``keep``
+        positions only; keys and values still cover all L."""
         B, L, _ = x.shape
-        q = self.q_proj(x).view(B, L, self.heads, -1).transpose(1, 2)
+        Lq = keep if 0 < keep < L else L
+        xq = x[:, L - Lq :] if Lq < L else x
+        q = self.q_proj(xq).view(B, Lq, self.heads, -1).transpose(1, 2)
         k = self.k_proj(x).view(B, L, self.kv_heads, -1).transpose(1, 2)
         v = self.v_proj(x).view(B, L, self.kv_heads, -1).transpose(1, 2)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q = apply_rotary(q, cos[:, :, L - Lq :], sin[:, :, L - Lq :])
+        k = apply_rotary(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer, k, v)
+        if Lq < L:
+            mask = _last_rows(mask, Lq, k.shape[2], x.device)
         out = F.scaled_dot_product_attention(
             q,
             k,
             v,
             attn_mask=mask,
-            is_causal=mask is None and L > 1,
+            is_causal=mask is None and Lq > 1,
             enable_gqa=self.kv_heads != self.heads,
         )
-        return self.o_proj(out.transpose(1, 2).reshape(B, L, -1))
+        return self.o_proj(out.transpose(1, 2).reshape(B, Lq, -1))
+
+
+def _last_rows(mask: torch.Tensor | None, rows: int, T: int, device) -> torch.Tensor:
+    """The last ``rows`` query rows of a (B, 1, L, T) mask; for None (causal, nothing
+    padded) a (rows, T) causal mask aligned to the bottom right, which SDPA's ``is_causal``
+    is not when there are fewer queries than keys (it aligns to the top left)."""
+    if mask is not None:
+        return mask[:, :, -rows:]
+    return torch.ones(rows, T, dtype=torch.bool, device=device).tril(T - rows)
 
 
 class NativeDecoderLayer(nn.Module):
@@ -256,8 +271,11 @@ class NativeDecoderLayer(nn.Module):
         self.input_layernorm = NativeRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = NativeRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h, cos, sin, mask, cache):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask, cache)
+    def forward(self, h, cos, sin, mask, cache, keep: int = 0):
+        """h (B, L, H) → (B, L, H), or (B, keep, H) for the last ``keep`` positions when
+        0 < keep < L (every position still gives its key and value)."""
+        attn = self.self_attn(self.input_layernorm(h), cos, sin, mask, cache, keep)
+        h = (h[:, -attn.shape[1] :] if attn.shape[1] < h.shape[1] else h) + attn
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -310,7 +328,14 @@ class NativeLlamaModel(nn.Module):
         position_ids=None,
         past_key_values: KVCache | None = None,
         use_cache: bool = False,
+        keep_last: int = 0,
     ) -> NativeOutput:
+        """Last hidden states (B, L, H), or (B, keep_last, H) of the last ``keep_last``
+        positions when 0 < keep_last < L: then the last layer computes queries, attention
+        output and MLP for those rows only. The rows nobody reads (a prompt's positions
+        under PPO, all but the final token under a reward model) cost a whole layer's
+        work otherwise, forward and backward; earlier layers still run on every position,
+        whose keys and values the kept rows attend to."""
         B, L = input_ids.shape
         cache = past_key_values if past_key_values is not None else KVCache() if use_cache else None
         past = cache.get_seq_length() if cache is not None else 0
@@ -325,9 +350,11 @@ class NativeLlamaModel(nn.Module):
         freqs = position_ids[..., None].float() * self.inv_freq.float()
         cos, sin = freqs.cos().to(h.dtype), freqs.sin().to(h.dtype)
         mask = attention_mask_4d(attention_mask, L)
-        for layer in self.layers:
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            keep = keep_last if i == last else 0
             if self.checkpointing and self.training and torch.is_grad_enabled():
-                h = checkpoint(layer, h, cos, sin, mask, cache, use_reentrant=False)
+                h = checkpoint(layer, h, cos, sin, mask, cache, keep, use_reentrant=False)
             else:
-                h = layer(h, cos, sin, mask, cache)
+                h = layer(h, cos, sin, mask, cache, keep)
         return NativeOutput(last_hidden_state=self.norm(h), past_key_values=cache)

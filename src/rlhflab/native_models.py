@@ -131,8 +131,11 @@ class NativeLlamaForCausalLM(_NativePreTrained):
         use_cache: bool = False,
         logits_to_keep: int = 0,
     ) -> NativeOutput:
-        """Logits (B, L, V) — of the last ``logits_to_keep`` positions only when > 0."""
-        out = self.model(input_ids, attention_mask, position_ids, past_key_values, use_cache)
+        """Logits (B, L, V) — of the last ``logits_to_keep`` positions only when > 0 (the
+        backbone's last layer then runs on those rows only: ``NativeLlamaModel.forward``)."""
+        out = self.model(
+            input_ids, attention_mask, position_ids, past_key_values, use_cache, logits_to_keep
+        )
         h = out.last_hidden_state
         out.logits = self.lm_head(h[:, -logits_to_keep:] if logits_to_keep else h)
         return out

@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from rlhflab.models import Offloaded, backbone_hidden, same_tokenizer
+from rlhflab.models import Offloaded, last_token_hidden, same_tokenizer
 
 
 class RewardError(RuntimeError):
@@ -41,12 +41,6 @@ class RewardSource(Protocol):
     name: str
 
     def __call__(self, batch: RewardBatch) -> dict[str, torch.Tensor]: ...
-
-
-def last_real_index(attention_mask: torch.Tensor) -> torch.Tensor:
-    """(B, L) mask → (B,) index of the last 1 (works for left and right padding)."""
-    pos = torch.arange(attention_mask.shape[1], device=attention_mask.device)
-    return torch.where(attention_mask.bool(), pos, -1).max(dim=1).values
 
 
 class ModelReward:
@@ -84,10 +78,7 @@ class ModelReward:
                     ids[s : s + self.micro_batch].to(self.device),
                     mask[s : s + self.micro_batch].to(self.device),
                 )
-                hidden = backbone_hidden(m, i, a)
-                last = last_real_index(a)
-                h = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
-                outs.append(m.score(h).float().cpu())
+                outs.append(m.score(last_token_hidden(m, i, a)).float().cpu())
         scores = torch.cat(outs)
         return {
             f"{self.name}/{h}" if self.name else h: scores[:, k]

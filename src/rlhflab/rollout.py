@@ -104,6 +104,13 @@ def response_slice(prompt_len: int, response_len: int) -> slice:
     return slice(prompt_len - 1, prompt_len + response_len - 1)
 
 
+def answer_values(critic, seqs, mask, response_len: int) -> torch.Tensor:
+    """A separate critic's values (B, T) for the answer columns (:func:`response_slice`) of
+    prompt + answer sequences (B, P + T). It computes the last T + 1 positions only: the
+    native runtime's last layer skips the prompt rows (``models.backbone_hidden``)."""
+    return critic(seqs, mask, keep_last=response_len + 1)[:, :response_len]
+
+
 def policy_outputs(
     policy,
     seqs,
@@ -126,7 +133,7 @@ def policy_outputs(
         shared = isinstance(policy, M.PolicyWithValueHead)
     if shared:
         logits, values = policy(seqs, mask, keep_last=keep)
-        values = values[:, response_slice(prompt_len, T)].float()
+        values = values[:, :T].float()  # the last T + 1 positions' first T: response_slice
     else:
         logits, values = M.causal_forward(policy, seqs, mask, keep_last=keep).logits, None
     logits = logits[:, :T]
@@ -158,7 +165,6 @@ def score_rollout(
     if not policy_forward and cast.shared and rollout.values is None:
         raise ValueError("score_rollout: a shared backbone's values need the policy forward")
     seqs, mask = rollout.sequences, rollout.attention_mask
-    P = rollout.prompt_ids.shape[1]
     if policy_forward:
         score_policy(cast.policy, rollout, temperature, micro_batch)
     critic = cast.critic_values if critic_forward else None
@@ -170,7 +176,7 @@ def score_rollout(
         ref_logits = M.causal_forward(cast.reference, ids, am, keep_last=T + 1).logits
         parts["ref"].append(A.logprobs_from_logits(ref_logits[:, :T], resp, temperature))
         if critic is not None:
-            parts["val"].append(critic(ids, am)[:, response_slice(P, T)])
+            parts["val"].append(answer_values(critic, ids, am, T))
     device = rollout.response_ids.device
     rollout.ref_logprobs = torch.cat(parts["ref"]).to(device)
     if critic is not None:

@@ -17,7 +17,7 @@ import torch
 from rlhflab import algorithms as A
 from rlhflab.distributed import accumulate
 from rlhflab.optim import UpdateInBackward
-from rlhflab.rollout import Rollout, policy_outputs, response_slice
+from rlhflab.rollout import Rollout, answer_values, policy_outputs
 from rlhflab.trainers.common import TrainingHalted
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ class PPOEpochs:
                         separate = returns is not None and not cast.shared
                         critic_first = separate and self.kept_values is not None
                         if critic_first:
-                            vf, vf_stats, finite = self._critic_step(ro, i, m, returns, agg, P)
+                            vf, vf_stats, finite = self._critic_step(ro, i, m, returns, agg)
                             if not finite:
                                 break
                         total, pg, pg_stats, vf_head, vf_head_stats = self._micro_loss(
@@ -96,7 +96,7 @@ class PPOEpochs:
                         if not separate:  # the value loss (if any) was in the policy's
                             vf, vf_stats = vf_head, vf_head_stats
                         elif not critic_first:
-                            vf, vf_stats, finite = self._critic_step(ro, i, m, returns, agg, P)
+                            vf, vf_stats, finite = self._critic_step(ro, i, m, returns, agg)
                             if not finite:
                                 break
                     share = m.sum().item() / n_tokens.item()
@@ -163,7 +163,7 @@ class PPOEpochs:
         total = loss + self.cfg.model.vf_coef * vf
         return total, pg, pg_stats, vf, vf_stats
 
-    def _critic_step(self, ro, i, m, returns, agg, P):
+    def _critic_step(self, ro, i, m, returns, agg):
         """Value loss of one micro-batch for a separate critic and its backward; returns
         (loss, stats, finite) and runs no backward when the loss is not finite. The values
         come from the critic's own forward, or from the one step 2 kept (then ``i`` is the
@@ -172,8 +172,7 @@ class PPOEpochs:
             values, self.kept_values = self.kept_values[i], None
         else:
             T = ro.response_ids.shape[1]
-            values = self.train_critic(ro.sequences[i], ro.attention_mask[i])
-            values = values[:, response_slice(P, T)]
+            values = answer_values(self.train_critic, ro.sequences[i], ro.attention_mask[i], T)
         vf, vf_stats = self._value_loss(values, ro, i, m, returns, agg)
         finite = self.ctx.all_true(bool(torch.isfinite(vf)))
         if finite:
@@ -196,8 +195,8 @@ class PPOEpochs:
     def _keep_critic_forward(self, ro: Rollout) -> None:
         """Step 2's part under ppo.values_from_training_forward: the old values, detached,
         and the graph that step 8's first value loss backpropagates."""
-        P, T = ro.prompt_ids.shape[1], ro.response_ids.shape[1]
-        values = self.train_critic(ro.sequences, ro.attention_mask)[:, response_slice(P, T)]
+        T = ro.response_ids.shape[1]
+        values = answer_values(self.train_critic, ro.sequences, ro.attention_mask, T)
         ro.values = values.detach()
         self.kept_values = values
 

@@ -22,7 +22,6 @@ from rlhflab.config import Config, ConfigError
 from rlhflab.cpu_blas import apply_cpu_matmul
 from rlhflab.data import DataError, PreferencePair, load_preferences
 from rlhflab.lean import make_activations_lean
-from rlhflab.rewards import last_real_index
 from rlhflab.trainers.common import (
     build_optimizer_simple,
     build_scheduler,
@@ -78,9 +77,7 @@ def score_texts(model, tokenizer, texts: list[str], device) -> torch.Tensor:
         add_special_tokens=False,
     )
     ids, mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
-    hidden = M.backbone_hidden(model, ids, mask)
-    last = hidden[torch.arange(ids.shape[0], device=device), last_real_index(mask)]
-    return model.score(last).float()
+    return model.score(M.last_token_hidden(model, ids, mask)).float()
 
 
 def pair_loss(model, tokenizer, pairs, targets, weights, margin, device):
