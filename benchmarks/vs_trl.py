@@ -355,28 +355,46 @@ def worker_main(argv: list[str]) -> None:
 
 
 # ------------------------------------------------------------------ FLOPs and the ceiling
-def useful_flops(size: str, prompt_tokens: int, levers: bool = False) -> float:
-    """Matmul FLOPs one iteration cannot avoid (2 per multiply-add), both sides alike.
+def forward_flops(size: str, rows: int, kept: int, head: int) -> int:
+    """Matmul FLOPs (2 per multiply-add) of one forward over ``rows`` causal positions whose
+    last layer needs only the last ``kept`` of them (queries, attention output and MLP;
+    keys and values still cover every row), plus an output head of ``head`` columns on the
+    ``kept`` rows (the vocabulary for a causal LM, 1 for a value or reward head).
 
-    Per sequence of S = prompt + answer tokens: sampling (one policy forward over S),
-    reference forward, reward forward, then each PPO epoch a forward and backward
-    (≈ 3 forwards) of policy and value model. The old values need no forward of their own:
-    with one minibatch the first epoch's value forward runs on the same weights and
+    Attention is counted causally: row i multiplies against i + 1 keys, twice (QKᵀ and
+    the weighted sum of values)."""
+    hidden, inter, layers, _, _ = SIZES[size]
+    proj, mlp = 2 * hidden * hidden, 2 * 3 * hidden * inter
+    keys_seen = rows * (rows + 1) // 2  # all rows of a full layer
+    keys_seen_kept = kept * rows - kept * (kept - 1) // 2  # the last `kept` rows
+    full_layer = rows * (4 * proj + mlp) + 4 * hidden * keys_seen
+    last_layer = rows * 2 * proj + kept * (2 * proj + mlp) + 4 * hidden * keys_seen_kept
+    return (layers - 1) * full_layer + last_layer + 2 * hidden * head * kept
+
+
+def useful_flops(size: str, prompt_tokens: int, levers: bool = False) -> float:
+    """Matmul FLOPs one iteration cannot avoid, both sides alike (see forward_flops).
+
+    Per rollout of P prompt and A answer tokens: sampling (P + A − 1 positions through the
+    policy, the last layer and vocabulary projection on the A positions that choose a
+    token), the reference's log-probs (A rows kept of P + A), the reward model's score
+    (1 row kept), then each PPO epoch a forward and backward (≈ 3 forwards) of the policy
+    (A rows kept) and the value model (A values). The old values need no forward of their
+    own: with one minibatch the first epoch's value forward runs on the same weights and
     answers (rlhflab's ppo.values_from_training_forward; TRL runs one more, not counted).
-    The causal LM adds the vocabulary projection; attention adds ≈ 2·2·h·S/2 per token and
-    layer. With the levers the value model is a head on the policy's backbone: its forward
-    and backward vanish (bf16 or int8 matmuls of reference and reward are counted like fp32
-    ones).
+    TRL computes every row of every layer and every position's logits; what it computes
+    beyond this count is not useful work. With the levers the value model is a head on the
+    policy's backbone: its forward and backward vanish (bf16 or int8 matmuls of reference
+    and reward are counted like fp32 ones).
     """
-    hidden, inter, layers, _, answer = SIZES[size]
-    vocab, S = 440, prompt_tokens + answer
-    body = layers * (4 * hidden * hidden + 3 * hidden * inter + 2 * hidden * S)
-    lm, cls = 2 * (body + hidden * vocab), 2 * body
-    if levers:
-        per_seq = S * (lm + lm + cls + EPOCHS * 3 * lm)
-    else:
-        per_seq = S * (lm + lm + cls + EPOCHS * 3 * (lm + cls))
-    return ROLLOUTS * per_seq
+    answer, vocab = SIZES[size][4], 440
+    rows = prompt_tokens + answer
+    sample = forward_flops(size, rows - 1, answer, vocab)
+    policy = forward_flops(size, rows, answer, vocab)
+    critic = forward_flops(size, rows, answer, 1)
+    reward = forward_flops(size, rows, 1, 1)
+    train = EPOCHS * 3 * (policy if levers else policy + critic)
+    return ROLLOUTS * (sample + policy + reward + train)
 
 
 def frozen_precision_rates(size: str, prompt_tokens: int) -> dict[str, float]:
