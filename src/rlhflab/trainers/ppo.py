@@ -61,7 +61,8 @@ METRICS = {
     "policy/ratio_max": "largest ρ seen in the iteration",
     "policy/loss": "policy loss, mean over minibatches",
     "val/loss": "value loss, mean over minibatches",
-    "val/clipfrac": "fraction of tokens where the clipped value error is the larger",
+    "val/clipfrac": "fraction of tokens where the value clip binds (|V − V_old| > "
+    "ppo.value_clip) and the clipped error is the larger",
     "val/explained_variance": "1 − Var(R − V_old)/Var(R) over response tokens",
     "response/length_mean": "mean answer length in tokens (EOS included)",
     "response/length_max": "longest answer in tokens",
