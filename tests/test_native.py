@@ -337,3 +337,7 @@ def test_read_safetensors_names_the_file_and_tensor_of_bad_data(tmp_path):
     odd.write_bytes(len(header).to_bytes(8, "little") + header.encode() + b"\0\0")
     with pytest.raises(NativeConfigError, match=r"odd\.safetensors: tensor 'c' is stored as F8"):
         read_safetensors(odd)
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"\x05\0\0\0\0\0\0\0{nope")
+    with pytest.raises(NativeConfigError, match=r"junk\.safetensors: not a safetensors file"):
+        read_safetensors(junk)

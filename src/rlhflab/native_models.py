@@ -206,15 +206,19 @@ def read_safetensors(path: Path, dtype: torch.dtype | None = None) -> dict[str, 
 
     Why not ``safetensors.torch.load(path.read_bytes())``: that holds the whole file as
     bytes while it makes the tensors, so loading peaked at twice the weights (25M policy:
-    +205 MiB of peak RSS for 99 MiB of weights, 2026-12-05), and a cast to another dtype
+    +204 MiB of peak RSS for 99 MiB of weights, 2026-12-05), and a cast to another dtype
     kept both copies of everything until the end."""
     if sys.byteorder != "little":  # the format is little-endian; let the library swap
         from safetensors.torch import load as load_bytes
 
-        return {k: v.to(dtype) if dtype else v for k, v in load_bytes(path.read_bytes()).items()}
+        state = load_bytes(path.read_bytes())
+        return {k: v.to(dtype) if dtype and v.is_floating_point() else v for k, v in state.items()}
     with open(path, "rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(header_len))
+        try:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(header_len))
+        except (struct.error, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise NativeConfigError(f"{path}: not a safetensors file ({err})") from err
         header.pop("__metadata__", None)
         data_start, out = 8 + header_len, {}
         for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
