@@ -390,11 +390,11 @@ def useful_flops(size: str, prompt_tokens: int, levers: bool = False) -> float:
     answer, vocab = SIZES[size][4], 440
     rows = prompt_tokens + answer
     sample = forward_flops(size, rows - 1, answer, vocab)
-    policy = forward_flops(size, rows, answer, vocab)
+    causal_lm = forward_flops(size, rows, answer, vocab)  # the reference's and the policy's
     critic = forward_flops(size, rows, answer, 1)
     reward = forward_flops(size, rows, 1, 1)
-    train = EPOCHS * 3 * (policy if levers else policy + critic)
-    return ROLLOUTS * (sample + policy + reward + train)
+    train = EPOCHS * 3 * (causal_lm if levers else causal_lm + critic)
+    return ROLLOUTS * (sample + causal_lm + reward + train)
 
 
 def frozen_precision_rates(size: str, prompt_tokens: int) -> dict[str, float]:

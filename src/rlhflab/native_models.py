@@ -211,8 +211,7 @@ def read_safetensors(path: Path, dtype: torch.dtype | None = None) -> dict[str, 
     if sys.byteorder != "little":  # the format is little-endian; let the library swap
         from safetensors.torch import load as load_bytes
 
-        state = load_bytes(path.read_bytes())
-        return {k: v.to(dtype) if dtype and v.is_floating_point() else v for k, v in state.items()}
+        return {k: _cast(v, dtype) for k, v in load_bytes(path.read_bytes()).items()}
     with open(path, "rb") as f:
         try:
             (header_len,) = struct.unpack("<Q", f.read(8))
@@ -236,13 +235,18 @@ def read_safetensors(path: Path, dtype: torch.dtype | None = None) -> dict[str, 
                     f"{path}: tensor {name!r} has {end - begin} bytes of data for shape "
                     f"{info['shape']} in {info['dtype']} ({nbytes} expected)"
                 )
-            f.seek(data_start + begin)
-            into = (ctypes.c_char * nbytes).from_address(tensor.data_ptr()) if nbytes else None
-            if nbytes and f.readinto(into) != nbytes:
-                raise NativeConfigError(f"{path}: tensor {name!r} is cut short (truncated file?)")
-            cast = dtype is not None and tensor.is_floating_point()
-            out[name] = tensor.to(dtype) if cast else tensor
+            if nbytes:  # an empty tensor has no address to read into
+                f.seek(data_start + begin)
+                into = (ctypes.c_char * nbytes).from_address(tensor.data_ptr())
+                if f.readinto(into) != nbytes:
+                    raise NativeConfigError(f"{path}: tensor {name!r} is cut short (truncated?)")
+            out[name] = _cast(tensor, dtype)
     return out
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``tensor`` in ``dtype`` when it is floating-point and a dtype is given."""
+    return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
 
 
 @contextmanager
