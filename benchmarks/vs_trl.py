@@ -26,7 +26,9 @@ layers through whichever of torch's MKL and numpy's OpenBLAS (``model.cpu_matmul
 the higher one-thread fp32 rate on this size's shapes, measured first (``--cpu-matmul
 auto``; OpenBLAS won on the AMD EPYC VMs, MKL on the Intel Xeon ones; ``torch`` or
 ``numpy`` forces one; TRL always runs on MKL). The last lines are ``time ratio <size>: X``,
-``memory ratio <size>: Y`` and ``time ratio 25M with levers: Z``.
+``memory ratio <size>: Y`` and ``time ratio 25M with levers: Z``; above them ``floor / TRL
+<size>``: the iteration's products and attention alone at their best rates measured here
+(``time_floor.py``), as a fraction of TRL's time — no time ratio below it can be reached.
 
     python benchmarks/vs_trl.py --setup                 # once: TRL's own environment
     python benchmarks/vs_trl.py                         # all sizes (~25 min on 2 cores)
@@ -540,6 +542,11 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=2, help="A B rounds per size")
     ap.add_argument("--no-levers", action="store_true", help="skip the levers table")
+    ap.add_argument(
+        "--no-floor",
+        action="store_true",
+        help="skip the floor of each size (benchmarks/time_floor.py, ~30 s a size)",
+    )
     ap.add_argument("--work", default=str(HERE / ".vs_trl"), help="models, runs, TRL's venv")
     ap.add_argument("--setup", action="store_true", help="only build TRL's environment")
     ap.add_argument(
@@ -597,6 +604,12 @@ def main() -> None:
             low = frozen_precision_rates(size, prompt_tokens)
             lever_precision = max(low, key=low.get)
             print(f"{size}: levers' reference and reward in {lever_precision} ({low})", flush=True)
+        floor = None
+        if not args.no_floor:
+            from time_floor import floor_seconds  # this folder's benchmark
+
+            floor = floor_seconds(size, prompt_tokens)
+            print(f"{size}: floor {floor['total']:.3f} s per iteration", flush=True)
         runs: dict[str, list] = {"rlhflab": [], "trl": [], "rlhflab-levers": []}
         for _ in range(args.rounds):  # A B A B
             ours_args = (args.runtime, args.allocator, cpu_matmul, lever_precision)
@@ -616,6 +629,8 @@ def main() -> None:
         row["cpu_matmul"] = cpu_matmul
         row["lever_precision"] = lever_precision
         row["flops_per_it"] = flops
+        if floor is not None:
+            row["floor_s"] = floor
         results[size] = row
         print(format_size(size, row), flush=True)
     (work / "results.json").write_text(
@@ -631,6 +646,9 @@ def main() -> None:
         )
     )
     print()
+    for size, row in results.items():  # before the issue's lines, which come last
+        if "floor_s" in row:
+            print(f"floor / TRL {size}: {row['floor_s']['total'] / row['trl']['s_per_it']:.3f}")
     for size, row in results.items():
         print(f"time ratio {size}: {row['rlhflab']['s_per_it'] / row['trl']['s_per_it']:.3f}")
         print(f"memory ratio {size}: {row['rlhflab']['peak_mib'] / row['trl']['peak_mib']:.3f}")
@@ -669,6 +687,15 @@ def format_size(size: str, row: dict) -> str:
                 f"| {side} | {r['s_per_it']:.3f} | {r['spread'][0]:.3f}–{r['spread'][1]:.3f} | "
                 f"{r['gen_tps']:.0f} | {r['peak_mib']:.0f} | {r['gflops']:.1f} |"
             )
+    if "floor_s" in row:
+        f = row["floor_s"]
+        lines.append(
+            f"floor: {f['total']:.3f} s per iteration, the products and attention alone at "
+            f"their best rates measured here (benchmarks/time_floor.py: sampling's products "
+            f"{f['sampling']:.3f}, the others {f['products']:.3f}, attention "
+            f"{f['attention']:.3f}); TRL at {row['trl']['s_per_it'] / f['total']:.2f}× it, "
+            f"rlhflab at {row['rlhflab']['s_per_it'] / f['total']:.2f}×"
+        )
     return "\n".join(lines)
 
 

@@ -1,0 +1,204 @@
+"""How fast could one PPO iteration of ``vs_trl.py`` be on this CPU at all? (issue 7)
+
+A lower bound, measured: the time of the iteration's matrix products and attention alone,
+each timed in isolation at its exact shape, one thread, fp32, and each taken at its best —
+the faster of torch's MKL and numpy's OpenBLAS and the faster of every operand layout
+(either operand stored as is or transposed), attention the faster of SDPA's flash and math
+kernels with no padding mask. Everything else an iteration does (sampling's softmax and
+draws and the attention of its decode steps, element-wise work, norms, the losses, GAE,
+the optimiser, Python) is left out, so no implementation of the same work with these
+libraries can run an iteration faster than the printed floor; a time-ratio target below
+``floor / TRL's seconds`` cannot be met on this machine at equal settings.
+
+The work is ``vs_trl.py``'s (its SIZES, 16 rollouts, 4 epochs of one minibatch) with the
+rows counted as ``vs_trl.forward_flops`` counts them: the last layer's queries, attention
+output and MLP only on the rows that are read, the value and reward heads omitted (one
+column). Sampling: a prefill over the prompt, then one 16-row step per further answer
+token.
+
+    python benchmarks/time_floor.py --size 4M     # ~30 s
+    python benchmarks/time_floor.py --size 25M
+
+The ratios at the end take both sides' seconds per iteration from ``vs_trl.py``'s last
+results (``benchmarks/.vs_trl/results.json``) where they exist; ``--trl-seconds`` gives
+TRL's by hand.
+
+Nothing here runs inside ``make test``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from cpu_matmul import cpu_name, rate  # this folder's benchmark: one timing loop for all
+from vs_trl import EPOCHS, ROLLOUTS, SIZES
+
+from rlhflab.cpu_blas import set_numpy_blas_threads
+
+VOCAB = 440
+HEAD_DIM = 64
+RESULTS = Path(__file__).resolve().parent / ".vs_trl" / "results.json"
+
+
+def forward_products(size: str, rows: int, kept: int, head: bool) -> Counter:
+    """(m, k, n) → count of the Linear products of one batched forward: ``rows`` positions
+    per sequence, the last layer's queries, output projection and MLP on the last ``kept``
+    of them, a vocabulary head on those ``kept`` rows where ``head``."""
+    hidden, inter, layers, _, _ = SIZES[size]
+    b = ROLLOUTS
+    out: Counter = Counter()
+    for layer in range(layers):
+        q_rows = b * (kept if layer == layers - 1 else rows)
+        out[(b * rows, hidden, hidden)] += 2  # keys and values: every position
+        out[(q_rows, hidden, hidden)] += 2  # queries and the output projection
+        out[(q_rows, hidden, inter)] += 2  # gate and up
+        out[(q_rows, inter, hidden)] += 1  # down
+    if head:
+        out[(b * kept, hidden, VOCAB)] += 1
+    return out
+
+
+def backward_products(forward: Counter) -> Counter:
+    """The input- and weight-gradient products of every forward product x·W (m×k · k×n):
+    g·Wᵀ (m×n · n×k) and xᵀ·g (k×m · m×n)."""
+    out: Counter = Counter()
+    for (m, k, n), count in forward.items():
+        out[(m, n, k)] += count
+        out[(k, m, n)] += count
+    return out
+
+
+def iteration_products(size: str, prompt: int) -> Counter:
+    """Every Linear product of one iteration (see the module docstring)."""
+    answer = SIZES[size][4]
+    rows = prompt + answer
+    total: Counter = Counter()
+    total.update(forward_products(size, prompt, 1, True))  # sampling's prefill
+    for _ in range(answer - 1):  # one 16-row step per further token
+        total.update(forward_products(size, 1, 1, True))
+    policy = forward_products(size, rows, answer, True)
+    critic = forward_products(size, rows, answer, False)
+    total.update(policy)  # the reference's log-probs
+    total.update(forward_products(size, rows, 1, False))  # the reward model's score
+    for _ in range(EPOCHS):
+        for model in (policy, critic):
+            total.update(model)
+            total.update(backward_products(model))
+    return total
+
+
+def best_product_seconds(m: int, k: int, n: int) -> float:
+    """Seconds of the fastest (m×k)·(k×n) product over both libraries and all layouts."""
+    best = 0.0
+    flops = 2 * m * k * n
+    for a_t, b_t in itertools.product((False, True), repeat=2):
+        a = torch.randn(k, m).t() if a_t else torch.randn(m, k)
+        b = torch.randn(n, k).t() if b_t else torch.randn(k, n)
+        an, bn = a.numpy(), b.numpy()
+        best = max(best, rate(lambda a=a, b=b: torch.mm(a, b), flops, seconds=0.15))
+        best = max(best, rate(lambda a=an, b=bn: np.matmul(a, b), flops, seconds=0.15))
+    return flops / (best * 1e9)
+
+
+def best_attention_seconds(size: str, rows: int, grad: bool) -> float:
+    """Seconds of the fastest causal SDPA (and its backward where ``grad``) on 16 sequences
+    of ``rows`` positions, flash or math kernel, no padding mask."""
+    heads = SIZES[size][3]
+    q, k, v = (torch.randn(ROLLOUTS, heads, rows, HEAD_DIM, requires_grad=grad) for _ in range(3))
+    g = torch.randn(ROLLOUTS, heads, rows, HEAD_DIM)
+    best = float("inf")
+    for backend in (
+        torch.nn.attention.SDPBackend.FLASH_ATTENTION,
+        torch.nn.attention.SDPBackend.MATH,
+    ):
+        with torch.nn.attention.sdpa_kernel(backend):
+
+            def call():
+                with torch.set_grad_enabled(grad):
+                    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                    if grad:
+                        torch.autograd.grad(out, (q, k, v), g)
+
+            # rate() returns calls × flops / s / 1e9: with flops = 1e9, calls per second
+            best = min(best, 1 / rate(call, 1e9, seconds=0.3))
+    return best
+
+
+def floor_seconds(size: str, prompt_tokens: int, table: list[str] | None = None) -> dict:
+    """Measure the floor of one iteration of ``size``: seconds of sampling's 16-row
+    products, of the larger products, of attention, and their ``total``. Appends one
+    markdown row per product shape to ``table`` where given."""
+    torch.set_num_threads(1)
+    set_numpy_blas_threads(1)
+    out = {"sampling": 0.0, "products": 0.0}
+    products = iteration_products(size, prompt_tokens)
+    for (m, k, n), count in sorted(products.items(), key=lambda x: -x[0][0] * x[1]):
+        seconds = best_product_seconds(m, k, n) * count
+        out["sampling" if m <= ROLLOUTS else "products"] += seconds
+        if table is not None:
+            table.append(
+                f"| {m} × {k} · {k} × {n} | {count} | "
+                f"{2 * m * k * n * count / seconds / 1e9:.0f} | {seconds:.3f} |"
+            )
+    layers = SIZES[size][2]
+    out["attention_forward"] = best_attention_seconds(size, prompt_tokens + SIZES[size][4], False)
+    out["attention_backward"] = best_attention_seconds(size, prompt_tokens + SIZES[size][4], True)
+    # the reference's and the reward model's forwards; per epoch policy and critic forward
+    # and backward
+    out["attention"] = layers * (
+        2 * out["attention_forward"] + EPOCHS * 2 * out["attention_backward"]
+    )
+    out["total"] = out["sampling"] + out["products"] + out["attention"]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", default="4M", choices=list(SIZES))
+    ap.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=7,
+        help="vs_trl.py's mean prompt length, as its FLOP count takes it (a batch pads to "
+        "its longest, 8, so both sides run more rows than the floor counts)",
+    )
+    ap.add_argument("--trl-seconds", type=float, help="TRL's s/it (default: vs_trl.py's last)")
+    args = ap.parse_args()
+    if not set_numpy_blas_threads(1):
+        print("warning: numpy's BLAS thread count unknown; set OPENBLAS_NUM_THREADS=1")
+    products = iteration_products(args.size, args.prompt_tokens)
+    gflop = sum(2 * m * k * n * c for (m, k, n), c in products.items()) / 1e9
+    print(f"{cpu_name()}, torch {torch.__version__}, numpy {np.__version__}, one thread")
+    print(f"size {args.size}: {len(products)} product shapes, {gflop:.1f} GFLOP")
+    table = [
+        "| m × k · k × n | per iteration | best GFLOP/s | seconds |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    floor = floor_seconds(args.size, args.prompt_tokens, table)
+    print("\n".join(table))
+    print(f"\nproducts of 16 rows or fewer (sampling's steps): {floor['sampling']:.3f} s")
+    print(f"larger products (prefill, scoring, training): {floor['products']:.3f} s")
+    print(
+        f"attention (scoring and training; {floor['attention_forward'] * 1e3:.2f} ms a "
+        f"forward, {floor['attention_backward'] * 1e3:.2f} ms forward + backward): "
+        f"{floor['attention']:.3f} s"
+    )
+    print(f"floor {args.size}: {floor['total']:.3f} s per iteration")
+    measured = json.loads(RESULTS.read_text()).get(args.size, {}) if RESULTS.exists() else {}
+    trl = args.trl_seconds or measured.get("trl", {}).get("s_per_it")
+    if trl:
+        print(f"floor / TRL {args.size}: {floor['total'] / trl:.3f} (TRL {trl:.2f} s/it)")
+    if "rlhflab" in measured:
+        ours = measured["rlhflab"]["s_per_it"]
+        print(f"rlhflab / floor {args.size}: {ours / floor['total']:.2f} (rlhflab {ours:.2f} s/it)")
+
+
+if __name__ == "__main__":
+    main()
