@@ -71,6 +71,25 @@ def test_state_dicts_cross_load_and_resume_identically():
         assert torch.equal(a, b) and torch.equal(a, c)
 
 
+def test_loaded_moments_are_taken_as_they_are_when_device_and_dtype_match():
+    ps = _params()
+    opt = FusedAdamW(_groups(ps))
+    _train(opt, LambdaSchedule(opt, lambda s: 1.0), ps, 2)
+    loaded = copy.deepcopy(opt.state_dict())  # as torch.load hands it over
+    again = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    back = FusedAdamW(_groups(again))
+    back.load_state_dict(loaded)
+    for i, p in enumerate(again):  # resuming holds the moments once
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert back.state[p][key].data_ptr() == loaded["state"][i][key].data_ptr()
+    wider = copy.deepcopy(opt.state_dict())
+    for st in wider["state"].values():
+        st["exp_avg"] = st["exp_avg"].double()
+    back.load_state_dict(wider)  # another dtype is converted to the parameter's
+    assert all(back.state[p]["exp_avg"].dtype == torch.float32 for p in again)
+    assert torch.equal(back.state[again[0]]["exp_avg"], opt.state[ps[0]]["exp_avg"])
+
+
 def test_unsupported_parameters_are_refused():
     with pytest.raises(ValueError, match="floating"):
         FusedAdamW([torch.zeros(3, dtype=torch.long)])

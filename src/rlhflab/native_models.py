@@ -208,10 +208,20 @@ def read_safetensors(path: Path, dtype: torch.dtype | None = None) -> dict[str, 
     bytes while it makes the tensors, so loading peaked at twice the weights (25M policy:
     +204 MiB of peak RSS for 99 MiB of weights, 2026-12-05), and a cast to another dtype
     kept both copies of everything until the end."""
+    return dict(iter_safetensors(path, dtype))
+
+
+def iter_safetensors(path: Path, dtype: torch.dtype | None = None):
+    """Yield (name, tensor) for each tensor of one safetensors file in file order, each
+    read from the file into its own memory (and cast, as :func:`read_safetensors`) only
+    when asked for: a caller that copies each into a model and drops it holds one tensor
+    at a time (``checkpoint.load_checkpoint``)."""
     if sys.byteorder != "little":  # the format is little-endian; let the library swap
         from safetensors.torch import load as load_bytes
 
-        return {k: _cast(v, dtype) for k, v in load_bytes(path.read_bytes()).items()}
+        for k, v in load_bytes(Path(path).read_bytes()).items():
+            yield k, _cast(v, dtype)
+        return
     with open(path, "rb") as f:
         try:
             (header_len,) = struct.unpack("<Q", f.read(8))
@@ -219,7 +229,7 @@ def read_safetensors(path: Path, dtype: torch.dtype | None = None) -> dict[str, 
         except (struct.error, UnicodeDecodeError, json.JSONDecodeError) as err:
             raise NativeConfigError(f"{path}: not a safetensors file ({err})") from err
         header.pop("__metadata__", None)
-        data_start, out = 8 + header_len, {}
+        data_start = 8 + header_len
         for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
             kind = SAFETENSORS_DTYPES.get(info["dtype"])
             if kind is None:
@@ -240,8 +250,7 @@ def read_safetensors(path: Path, dtype: torch.dtype | None = None) -> dict[str, 
                 into = (ctypes.c_char * nbytes).from_address(tensor.data_ptr())
                 if f.readinto(into) != nbytes:
                     raise NativeConfigError(f"{path}: tensor {name!r} is cut short (truncated?)")
-            out[name] = _cast(tensor, dtype)
-    return out
+            yield name, _cast(tensor, dtype)
 
 
 def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

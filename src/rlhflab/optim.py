@@ -141,7 +141,12 @@ class FusedAdamW:
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, sd: dict) -> None:
-        """A state dict from this class or from ``torch.optim.AdamW``."""
+        """A state dict from this class or from ``torch.optim.AdamW``.
+
+        Moments already on their parameter's device and dtype are taken as they are, not
+        copied (as ``torch.optim`` does): resuming then holds them once, where a copy held
+        them twice until the loaded dict was dropped (+2 × the weights of every trained
+        model at the peak). Pass a copy of a dict that stays in use elsewhere."""
         saved = sd["param_groups"]
         if len(saved) != len(self.param_groups) or any(
             len(s["params"]) != len(g["params"]) for s, g in zip(saved, self.param_groups)
@@ -157,8 +162,8 @@ class FusedAdamW:
                     continue
                 self.state[p] = {
                     "step": torch.as_tensor(st["step"], dtype=torch.float32).to(p.device).clone(),
-                    "exp_avg": st["exp_avg"].to(p.device, p.dtype).clone(),
-                    "exp_avg_sq": st["exp_avg_sq"].to(p.device, p.dtype).clone(),
+                    "exp_avg": st["exp_avg"].to(p.device, p.dtype),
+                    "exp_avg_sq": st["exp_avg_sq"].to(p.device, p.dtype),
                 }
 
 
