@@ -1,6 +1,7 @@
 """Lean RMSNorm / SwiGLU: same outputs as transformers, right gradients, fewer saved bytes."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -109,11 +110,14 @@ def test_lean_model_matches_transformers_and_keeps_fewer_bytes():
 
 
 def test_lean_swap_works_under_lora():
-    peft = pytest.importorskip("peft")
+    pytest.importorskip("peft")
+    from rlhflab.models import apply_lora
+
     model = tiny_llama()
     lean.make_activations_lean(model)
-    cfg = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "down_proj"])
-    wrapped = peft.get_peft_model(model, cfg)
+    with warnings.catch_warnings():  # peft's transformers deprecation notice is not shown
+        warnings.simplefilter("error", FutureWarning)
+        wrapped = apply_lora(model, 2, 4.0, ["q_proj", "down_proj"])
     ids = torch.randint(0, 50, (2, 7))
     wrapped(input_ids=ids).logits.sum().backward()
     lora_grads = [p.grad for n, p in wrapped.named_parameters() if "lora_" in n]

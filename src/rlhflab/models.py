@@ -510,7 +510,11 @@ def apply_lora(lm: nn.Module, r: int, alpha: float, targets: list[str]):
     cfg = LoraConfig(
         r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets, task_type="CAUSAL_LM"
     )
-    return get_peft_model(lm, cfg)
+    with warnings.catch_warnings():
+        # peft asks the model `is_gradient_checkpointing`, which transformers 5 deprecates
+        # in favour of `is_activation_checkpointing`: a notice for peft, not for our users
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*deprecated")
+        return get_peft_model(lm, cfg)
 
 
 def module_bytes(model: nn.Module) -> int:
