@@ -31,10 +31,11 @@ def torchrun(n, *args):
     return done
 
 
-def test_two_ranks_and_one_rank_make_the_same_first_update(tmp_path):
+@pytest.mark.parametrize("runtime", ["transformers", "native"])
+def test_two_ranks_and_one_rank_make_the_same_first_update(tmp_path, runtime):
     one, two = tmp_path / "one.pt", tmp_path / "two.pt"
-    torchrun(1, "equiv", str(one))
-    torchrun(2, "equiv", str(two))
+    torchrun(1, "equiv", str(one), f"model.runtime={runtime}")
+    torchrun(2, "equiv", str(two), f"model.runtime={runtime}")
     a, b = torch.load(one), torch.load(two)
     from rlhflab import models as M
     from rlhflab.presets import preset_path
@@ -53,14 +54,17 @@ def test_all_gather_cat_joins_rank_tensors_in_rank_order(tmp_path):
     assert torch.load(tmp_path / "g.pt").tolist() == [0.0, 10.0, 1.0, 11.0]
 
 
+@pytest.mark.parametrize("runtime", ["transformers", "native"])
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_two_rank_run_trains_checkpoints_and_resumes(tmp_path, strategy):
+def test_two_rank_run_trains_checkpoints_and_resumes(tmp_path, strategy, runtime):
     run = tmp_path / strategy
-    torchrun(2, "run", str(run), f"dist.strategy={strategy}", "ppo.iterations=2")
+    over = (f"dist.strategy={strategy}", f"model.runtime={runtime}")
+    torchrun(2, "run", str(run), *over, "ppo.iterations=2")
     assert (run / "checkpoints" / "step-2" / "policy" / "config.json").exists()
-    torchrun(2, "run", str(run), f"dist.strategy={strategy}", "ppo.iterations=3")
+    torchrun(2, "run", str(run), *over, "ppo.iterations=3")
     rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [1, 2, 3]  # only rank 0 writes, once each
+    assert f"runtime: {runtime}" in (run / "config.yaml").read_text()
     state = torch.load(run / "checkpoints" / "step-3" / "state.pt", weights_only=True)
     assert state["world"] == 2 and len(state["rng"]) == 2
     from transformers import AutoModelForCausalLM
