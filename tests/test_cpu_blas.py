@@ -47,6 +47,16 @@ def test_numpy_linear_matches_torch_in_float64(numpy_calls, bias):
     assert numpy_calls == [((6, 6), (6, 5)), ((6, 5), (5, 6)), ((5, 6), (6, 6))]
 
 
+def test_products_leave_the_operands_storage_resizable():
+    # FSDP2 frees a gathered weight by resizing its storage to zero after each forward;
+    # tensor.numpy() would have made that storage fixed-size for good
+    x, w = torch.randn(70, 6, dtype=torch.float64), torch.randn(5, 6, dtype=torch.float64)
+    out = cpu_blas.numpy_mm(x[3:], w.t())  # an offset view and a transposed one
+    torch.testing.assert_close(out, x[3:] @ w.t())
+    for t in (x, w, out):
+        t.untyped_storage().resize_(0)
+
+
 def test_few_rows_stay_on_torch(monkeypatch):
     monkeypatch.setattr(cpu_blas, "numpy_mm", lambda *a: pytest.fail("numpy path taken"))
     layer = nn.Linear(8, 4)

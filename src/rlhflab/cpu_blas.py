@@ -36,14 +36,42 @@ MIN_ROWS = 64
 DTYPES = (torch.float32, torch.float64)
 
 
+class _ArrayInterface:
+    """Describes a tensor's memory to numpy (``__array_interface__``, version 3)."""
+
+    __slots__ = ("__array_interface__",)
+
+    def __init__(self, t: torch.Tensor):
+        self.__array_interface__ = {
+            "version": 3,
+            "shape": tuple(t.shape),
+            "typestr": _TYPESTR[t.dtype],
+            "data": (t.data_ptr(), False),
+            "strides": tuple(s * t.element_size() for s in t.stride()),
+        }
+
+
+_TYPESTR = {torch.float32: np.dtype(np.float32).str, torch.float64: np.dtype(np.float64).str}
+
+
+def _ndarray(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of CPU tensor ``t``'s memory, valid while ``t`` lives.
+
+    Not ``t.numpy()``: that marks the tensor's storage as not resizable for good, and
+    FSDP2 frees a gathered weight by resizing its storage to zero after each forward
+    ("Trying to resize storage that is not resizable" under ``dist.strategy: fsdp``)."""
+    return np.asarray(_ArrayInterface(t))
+
+
 def numpy_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a (M, K) @ b (K, N) → (M, N) through ``numpy.matmul`` into a torch-allocated tensor.
 
     Both operands on the CPU in one of :data:`DTYPES`; transposed views pass to BLAS as
-    they are (numpy hands their layout to gemm), other strides are copied first.
+    they are (numpy hands their layout to gemm), other strides are copied first. The
+    operands' storages are left as they were (see :func:`_ndarray`).
     """
     out = torch.empty((a.shape[0], b.shape[1]), dtype=a.dtype)
-    np.matmul(a.detach().numpy(), b.detach().numpy(), out=out.numpy())
+    np.matmul(_ndarray(a.detach()), _ndarray(b.detach()), out=_ndarray(out))
     return out
 
 
