@@ -13,7 +13,9 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = str(ROOT / "tests" / "dist_worker.py")
 
 
-def torchrun(n, *args):
+def torchrun(n, *args, fails=False):
+    """Run tests/dist_worker.py on ``n`` ranks; it must succeed (or, with ``fails``, must
+    not). Returns the finished process."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [
         sys.executable,
@@ -27,7 +29,7 @@ def torchrun(n, *args):
     ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     # both ranks' output, not only torchrun's summary at the end: where a rank failed
-    assert done.returncode == 0, (done.stdout[-4000:], done.stderr[-12000:])
+    assert (done.returncode != 0) == fails, (done.stdout[-4000:], done.stderr[-12000:])
     return done
 
 
@@ -77,6 +79,25 @@ def test_numpy_matmul_under_fsdp(tmp_path):
     run = tmp_path / "numpy"
     torchrun(2, "run", str(run), "dist.strategy=fsdp", "model.cpu_matmul=numpy")
     assert (run / "checkpoints" / "step-1" / "state.pt").exists()
+
+
+@pytest.mark.parametrize(
+    "over, message",
+    [
+        (
+            (
+                "dist.strategy=fsdp",
+                "model.value_model=shared",
+                "rollout.logprobs_from_sampling=true",
+            ),
+            "rollout.logprobs_from_sampling: with a shared backbone under fsdp",
+        ),
+        (("ppo.max_grad_norm=null", "ppo.step_in_backward=true"), "ppo.step_in_backward: with"),
+    ],
+)
+def test_single_process_settings_are_refused_on_two_ranks(tmp_path, over, message):
+    done = torchrun(2, "run", str(tmp_path / "run"), *over, fails=True)
+    assert message in done.stderr
 
 
 def test_grpo_runs_on_two_ranks(tmp_path):
