@@ -76,6 +76,12 @@ if __name__ == "__main__":
             stage="grpo",
         )
         GRPOTrainer(cfg).fit()
+    elif mode == "preset":  # each rank builds a preset into its own folder
+        from rlhflab.distributed import init_distributed
+        from rlhflab.presets import build_preset
+
+        ctx = init_distributed("cpu")
+        build_preset("nano", f"{out}/rank-{ctx.rank}")
     elif mode == "gather":  # rank r holds [r, r + 10]; rank 0 saves the gathered tensor
         from rlhflab.distributed import init_distributed
 

@@ -100,6 +100,43 @@ def test_single_process_settings_are_refused_on_two_ranks(tmp_path, over, messag
     assert message in done.stderr
 
 
+def test_every_rank_builds_a_whole_preset(tmp_path):
+    # transformers 5's save_pretrained writes nothing on ranks other than 0 once
+    # torch.distributed is up; a preset built there must still have its model
+    torchrun(2, "preset", str(tmp_path))
+    for rank in (0, 1):
+        assert {"config.json", "model.safetensors", "tokenizer.json"} <= {
+            p.name for p in (tmp_path / f"rank-{rank}").iterdir()
+        }
+
+
+def test_the_command_runs_under_torchrun_each_rank_on_the_allocator(tmp_path):
+    # the documented way past one process: torchrun -m rlhflab ...; each rank re-executes
+    # itself once onto mimalloc (same PID, so torchrun keeps watching it)
+    from rlhflab.allocator import mimalloc_library
+
+    config = tmp_path / "ppo.yaml"
+    config.write_text(
+        "device: cpu\n"
+        "model: {policy: 'preset:nano', value_model: separate}\n"
+        "reward: {functions: {'rlhflab.toy_rewards:vowel_reward': 1.0}}\n"
+        "rollout: {prompts_per_iteration: 8, max_new_tokens: 6}\n"
+        "ppo: {iterations: 2, epochs: 1, minibatches: 1}\n"
+        f"log: {{output_dir: '{tmp_path / 'run'}', progress: false}}\n"
+    )
+    # an empty preset cache: both ranks build preset:nano at once, after torch.distributed
+    # is up (transformers' save_pretrained writes nothing on rank 1 then: presets.py)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RLHFLAB_CACHE": str(tmp_path / "cache")}
+    env.pop("RLHFLAB_ALLOCATOR_STARTED", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    cmd += ["--standalone", "-m", "rlhflab", "ppo", "--config", str(config)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-12000:]
+    expected = "mimalloc" if mimalloc_library() else "system"
+    assert done.stderr.count(f"allocator: {expected}") == 2, done.stderr[-4000:]
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2
+
+
 def test_grpo_runs_on_two_ranks(tmp_path):
     run = tmp_path / "grpo"
     torchrun(2, "grpo", str(run), "ppo.iterations=2")

@@ -41,6 +41,19 @@ def test_saved_preset_reloads_identically(tmp_path):
     assert M.resolve_path("preset:nano") == presets.preset_path("nano")
 
 
+def test_an_incomplete_cached_preset_is_rebuilt_in_its_place(tmp_path, monkeypatch):
+    # what a rank other than 0 left in the cache under torchrun before presets._write_model:
+    # a tokenizer and no model
+    monkeypatch.setenv("RLHFLAB_CACHE", str(tmp_path))
+    final = presets.preset_path("nano")
+    for f in ("config.json", "model.safetensors", "generation_config.json"):
+        (final / f).unlink()
+    again = presets.preset_path("nano")
+    assert again == final and (again / "config.json").exists()
+    M.load_causal_lm(again, M.load_tokenizer(again))
+    assert [p.name for p in (tmp_path / "presets").iterdir()] == [final.name]  # nothing left
+
+
 def test_pad_is_distinct_from_eos_after_loading_any_tokenizer(tmp_path):
     tok = presets.build_tokenizer(["a b c"] * 5, vocab_size=300)
     for variant, pad in (("none", None), ("eos", tok.eos_token)):

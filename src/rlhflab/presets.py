@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -135,12 +136,35 @@ def build_preset(
         )
         model = LlamaForSequenceClassification(cfg)
     out.mkdir(parents=True, exist_ok=True)
-    from rlhflab.models import quiet_transformers
-
-    quiet_transformers()
-    model.save_pretrained(out, safe_serialization=True)
+    _write_model(model, out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def _write_model(model, out: Path) -> None:
+    """``config.json``, ``generation_config.json`` and ``model.safetensors`` of a freshly
+    made transformers model, as ``save_pretrained`` lays them out, on every process.
+
+    Not ``model.save_pretrained``: transformers 5 writes a model's files on rank 0 only once
+    torch.distributed is initialised, so under torchrun another rank built a preset with a
+    tokenizer and no model, and when its folder reached the cache first every rank (and
+    every later run) read a model folder without a config.json."""
+    from safetensors.torch import save_file
+
+    model.config.architectures = [type(model).__name__]
+    model.config.dtype = next(model.parameters()).dtype
+    model.config.save_pretrained(out)
+    if model.can_generate():
+        model.generation_config.save_pretrained(out)
+    state = model.state_dict()
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)  # the embedding's own tensor, saved once
+    state = {k: v.detach().contiguous() for k, v in state.items()}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _complete(folder: Path) -> bool:
+    return (folder / "config.json").exists() and (folder / "model.safetensors").exists()
 
 
 def cache_dir() -> Path:
@@ -155,15 +179,22 @@ def preset_path(name: str, seed: int = 0) -> Path:
         json.dumps([_FORMAT_VERSION, PRESETS[name], default_corpus()[:50]], sort_keys=True).encode()
     ).hexdigest()[:10]
     final = cache_dir() / "presets" / f"{name}-s{seed}-{key}"
-    if (final / "config.json").exists():
+    if _complete(final):
         return final
     tmp = final.with_name(final.name + f".tmp{os.getpid()}")
     build_preset(name, tmp, seed=seed)
+    if final.exists() and not _complete(final):
+        # an incomplete folder left by an older rlhflab under torchrun (see _write_model):
+        # moved aside, so that a complete one takes its place
+        aside = final.with_name(final.name + f".incomplete{os.getpid()}")
+        try:
+            final.rename(aside)
+        except OSError:  # another process moved it first
+            pass
+        shutil.rmtree(aside, ignore_errors=True)
     try:
         tmp.rename(final)
     except OSError:  # another process won the race; its folder is identical
-        import shutil
-
         shutil.rmtree(tmp, ignore_errors=True)
     return final
 
