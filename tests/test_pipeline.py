@@ -74,6 +74,15 @@ def test_broken_preference_file_names_the_row(tmp_path):
         load_preferences(f)
 
 
+@pytest.mark.parametrize("command", ["sft", "rm", "dpo", "demo", "compare"])
+def test_single_process_commands_refuse_several_ranks(monkeypatch, capsys, command):
+    # under torchrun every rank would train the same model into the same folder
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main([command]) == 2
+    err = capsys.readouterr().err
+    assert f"rlhflab {command} runs in one process" in err and "WORLD_SIZE=2" in err
+
+
 def test_rm_command_reports_a_broken_preference_file(tmp_path, capsys):
     f = tmp_path / "prefs.jsonl"
     f.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\nnot json\n')

@@ -192,6 +192,10 @@ COMMANDS = {
 }
 
 
+# the commands whose trainers split work over torchrun's ranks (rlhflab.distributed)
+ON_SEVERAL_RANKS = ("ppo", "grpo", "rloo")
+
+
 def user_errors() -> tuple[type[BaseException], ...]:
     from rlhflab.configbase import ConfigError
     from rlhflab.models import ModelLoadError
@@ -218,6 +222,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and args.command not in ON_SEVERAL_RANKS:
+        print(
+            f"error: rlhflab {args.command} runs in one process; under torchrun "
+            f"(WORLD_SIZE={world}) every rank would do the same work into the same output "
+            f"folder. Run it without torchrun ({', '.join(ON_SEVERAL_RANKS)} run on several "
+            "ranks: docs/distributed.md)",
+            file=sys.stderr,
+        )
+        return 2
     if argv is None:  # the real command line, not a call from Python: may restart itself
         try:
             restart_under(args.allocator, sys.argv[1:])
