@@ -22,6 +22,13 @@ imported). The work per iteration, equal on both sides:
     python benchmarks/vs_trl_group.py                    # both algorithms, all sizes
     python benchmarks/vs_trl_group.py --algos grpo --sizes 0.2M --rounds 1
 
+As in ``vs_trl.py`` (whose options these are): rlhflab runs on ``model.runtime=native``
+(``--runtime transformers`` for transformers' classes), its worker on the allocator the
+``rlhflab`` command starts on (``--allocator``; TRL's on the system's, ``--trl-allocator``),
+its Linear products through whichever of MKL and OpenBLAS this size's shapes run faster
+here (``--cpu-matmul``), and torch's libraries are evicted from the page cache before each
+worker starts.
+
 The last lines are ``time ratio <algo> <size>: X`` and ``memory ratio <algo> <size>: Y``.
 Nothing here runs inside ``make test``.
 """
@@ -44,7 +51,14 @@ GROUP, LR = 4, base.LR
 BETA = {"grpo": 0.04, "rloo": 0.05}
 
 
-def run_rlhflab(folder: Path, answer: int, iterations: int, algo: str) -> dict:
+def run_rlhflab(
+    folder: Path,
+    answer: int,
+    iterations: int,
+    algo: str,
+    runtime: str = "native",
+    cpu_matmul: str = "torch",
+) -> dict:
     import torch
 
     torch.set_num_threads(1)
@@ -65,6 +79,8 @@ def run_rlhflab(folder: Path, answer: int, iterations: int, algo: str) -> dict:
             "policy": str(folder / "policy"),
             "value_model": "none",
             "gradient_checkpointing": True,
+            "runtime": runtime,
+            "cpu_matmul": cpu_matmul,
         },
         "reward": {"model": str(folder / "reward"), "normalize": "none", "clip": None},
         "rollout": {
@@ -171,16 +187,35 @@ def run_trl(folder: Path, answer: int, iterations: int, algo: str) -> dict:
 
 def worker_main(argv: list[str]) -> None:
     side, algo, folder, answer, iterations = argv[0], argv[1], Path(argv[2]), *map(int, argv[3:5])
-    run = run_trl if side == "trl" else run_rlhflab
-    print("RESULT " + json.dumps(run(folder, answer, iterations, algo)), flush=True)
+    if side == "trl":
+        out = run_trl(folder, answer, iterations, algo)
+    else:
+        out = run_rlhflab(folder, answer, iterations, algo, *argv[5:7])
+    print("RESULT " + json.dumps(out), flush=True)
 
 
-def run_side(python: str, side: str, algo: str, folder: Path, size: str, iterations: int) -> dict:
+def run_side(
+    python: str,
+    side: str,
+    algo: str,
+    folder: Path,
+    size: str,
+    iterations: int,
+    allocator: str = "system",
+    runtime: str = "native",
+    cpu_matmul: str = "torch",
+) -> dict:
+    from rlhflab.allocator import environment
+
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     env["TOKENIZERS_PARALLELISM"] = "false"
+    env = environment(allocator, env)
     env["PYTHONPATH"] = str(HERE.parent / "src") if side != "trl" else ""
     answer = str(base.SIZES[size][4])
     cmd = [python, __file__, "--worker", side, algo, str(folder), answer, str(iterations)]
+    if side != "trl":
+        cmd += [runtime, cpu_matmul]
+    base.evict_torch_libraries(python)
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
@@ -214,6 +249,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="A B rounds per size")
     ap.add_argument("--work", default=str(HERE / ".vs_trl"), help="models, runs, TRL's venv")
     ap.add_argument("--setup", action="store_true", help="only build TRL's environment")
+    ap.add_argument("--runtime", default="native", choices=("native", "transformers"))
+    ap.add_argument("--cpu-matmul", default="auto", choices=("auto", "numpy", "torch"))
+    ap.add_argument("--allocator", default="auto", choices=("auto", "mimalloc", "system"))
+    ap.add_argument("--trl-allocator", default="system", choices=("auto", "mimalloc", "system"))
     args = ap.parse_args()
     work = Path(args.work)
     base.TRL_VERSION = TRL_VERSION  # setup_trl_env installs the module's version
@@ -224,14 +263,22 @@ def main() -> None:
     total, results = args.warmup + args.iterations, {}
     for size in args.sizes:
         folder = base.build_models(size, work / f"models-{size}")
+        cpu_matmul = args.cpu_matmul
+        if cpu_matmul == "auto":
+            ceiling = base.matmul_ceiling(size, base.prompt_length(folder))
+            cpu_matmul = "numpy" if ceiling["numpy"] > ceiling["torch"] else "torch"
+        ours = (args.allocator, args.runtime, cpu_matmul)
         for algo in args.algos:
             runs: dict[str, list] = {"rlhflab": [], "trl": []}
             for _ in range(args.rounds):  # A B A B
                 runs["rlhflab"].append(
-                    run_side(sys.executable, "rlhflab", algo, folder, size, total)
+                    run_side(sys.executable, "rlhflab", algo, folder, size, total, *ours)
                 )
-                runs["trl"].append(run_side(trl_py, "trl", algo, folder, size, total))
+                runs["trl"].append(
+                    run_side(trl_py, "trl", algo, folder, size, total, args.trl_allocator)
+                )
             row = {k: base.summarise(v, args.warmup) for k, v in runs.items()}
+            row["cpu_matmul"] = cpu_matmul
             results[f"{algo} {size}"] = row
             print(format_row(algo, size, row), flush=True)
     (work / "results_group.json").write_text(json.dumps(results, indent=2))
