@@ -136,6 +136,9 @@ def build_preset(
         )
         model = LlamaForSequenceClassification(cfg)
     out.mkdir(parents=True, exist_ok=True)
+    from rlhflab.models import quiet_transformers
+
+    quiet_transformers()
     _write_model(model, out)
     tokenizer.save_pretrained(out)
     return out
