@@ -28,7 +28,8 @@ auto``; OpenBLAS won on the AMD EPYC VMs, MKL on the Intel Xeon ones; ``torch`` 
 ``numpy`` forces one; TRL always runs on MKL). The last lines are ``time ratio <size>: X``,
 ``memory ratio <size>: Y`` and ``time ratio 25M with levers: Z``; above them ``floor / TRL
 <size>``: the iteration's products and attention alone at their best rates measured here
-(``time_floor.py``), as a fraction of TRL's time — no time ratio below it can be reached.
+(``time_floor.py``), as a fraction of TRL's time — no time ratio below it can be reached
+with these libraries on this machine.
 
     python benchmarks/vs_trl.py --setup                 # once: TRL's own environment
     python benchmarks/vs_trl.py                         # all sizes (~25 min on 2 cores)
