@@ -226,8 +226,9 @@ class PPOConfig:
         "docs/benchmarks.md). Same updates bit for bit. Needs max_grad_norm null (a global "
         "clip needs every gradient first), one micro-batch per minibatch and a single "
         "process. The guard then holds back only tensors whose gradient is not finite (the "
-        "rest are already updated), and a non-finite value loss skips only the critic's "
-        "update (the policy's was applied in its backward).",
+        "rest are already updated, and their AdamW step counts advance while the "
+        "learning-rate schedule does not, as for any skipped update), and a non-finite value "
+        "loss skips only the critic's update (the policy's was applied in its backward).",
     )
     micro_batch_size: int | None = setting(
         None,
