@@ -137,9 +137,16 @@ def test_the_command_runs_under_torchrun_each_rank_on_the_allocator(tmp_path):
     assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2
 
 
-@pytest.mark.parametrize("runtime, strategy", [("transformers", "ddp"), ("native", "fsdp")])
-def test_grpo_runs_on_two_ranks(tmp_path, runtime, strategy):
+@pytest.mark.parametrize(
+    "runtime, strategy, checkpointing",
+    [("transformers", "ddp", "false"), ("native", "fsdp", "true")],
+)
+def test_grpo_runs_on_two_ranks(tmp_path, runtime, strategy, checkpointing):
     run = tmp_path / "grpo"
-    over = (f"model.runtime={runtime}", f"dist.strategy={strategy}")
+    over = (
+        f"model.runtime={runtime}",
+        f"dist.strategy={strategy}",
+        f"model.gradient_checkpointing={checkpointing}",
+    )
     torchrun(2, "grpo", str(run), "ppo.iterations=2", *over)
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 2

@@ -122,6 +122,49 @@ def test_last_layer_runs_on_the_kept_rows_only_and_changes_nothing(padded, gqa_f
         assert rows_seen == [4]  # the last layer from the earliest last token (5) on
 
 
+def test_checkpointed_layers_give_the_same_gradients_and_keep_fewer_tensors(gqa_folder):
+    """model.gradient_checkpointing on the native runtime: the same float64 gradients,
+    and the decoder layers' activations are not kept by the forward."""
+    tok = M.load_tokenizer(gqa_folder)
+    nat = M.load_causal_lm(gqa_folder, tok, dtype=torch.float64, runtime="native").train()
+    ids, mask = _batch()
+    weights = torch.randn(3, 9, nat.config.vocab_size, dtype=torch.float64)
+
+    def storage_ref(t):  # whether a tensor's memory is still held, whoever holds it
+        ref = t.untyped_storage()._weak_ref()
+        return lambda: not torch.UntypedStorage._expired(ref)
+
+    normed = []  # the first layer's normalised input, which q/k/v keep for backward
+    second = []  # the second layer's
+    freed_in_time = []  # layer 1's recomputed input gone when layer 0 is recomputed
+
+    def first_layer(mod, args, out):
+        normed.append(storage_ref(out))
+        if len(normed) == 3:  # backward runs the last layer first
+            freed_in_time.append(not second[-1]())
+
+    nat.model.layers[0].input_layernorm.register_forward_hook(first_layer)
+    nat.model.layers[1].input_layernorm.register_forward_hook(
+        lambda mod, args, out: second.append(storage_ref(out))
+    )
+
+    def run():
+        nat.zero_grad()
+        loss = (M.causal_forward(nat, ids, mask).logits * weights).sum()
+        alive = normed[-1]()  # after the forward, before the backward
+        loss.backward()
+        return alive, {n: p.grad.clone() for n, p in nat.named_parameters()}
+
+    kept_plain, want = run()
+    nat.gradient_checkpointing_enable()
+    kept_ckpt, got = run()
+    assert kept_plain and not kept_ckpt
+    assert len(normed) == 3  # forward, forward, and the recomputation in backward
+    assert freed_in_time == [True]  # each layer's recomputed tensors go once used
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-12, atol=1e-12, msg=name)
+
+
 def test_transformers_backbone_keeps_the_same_rows(gqa_folder):
     """The keep_last contract holds for transformers' models too (rows dropped after)."""
     tok = M.load_tokenizer(gqa_folder)
@@ -271,13 +314,16 @@ def test_pad_queries_see_themselves_so_no_row_is_empty():
     assert attention_mask_4d(torch.ones(2, 4, dtype=torch.long), 4) is None  # causal kernel
 
 
-def test_native_ppo_run_never_imports_transformers_modelling(tmp_path):
-    """The point of the runtime: a whole PPO iteration without transformers' model code."""
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_native_ppo_run_never_imports_transformers_modelling(tmp_path, checkpointing):
+    """The point of the runtime: a whole PPO iteration without transformers' model code or
+    torch's compiler stack (sympy), activation checkpointing included."""
     script = f"""
 import sys
 from rlhflab.config import load_config
 from rlhflab.trainers.ppo import PPOTrainer
-cfg = load_config(base={{"model": {{"policy": "preset:nano", "runtime": "native"}},
+cfg = load_config(base={{"model": {{"policy": "preset:nano", "runtime": "native",
+    "gradient_checkpointing": {checkpointing}}},
     "reward": {{"functions": {{"rlhflab.toy_rewards:vowel_reward": 1.0}}}},
     "rollout": {{"prompts_per_iteration": 4, "max_new_tokens": 4}},
     "ppo": {{"iterations": 1}}, "log": {{"output_dir": {str(tmp_path)!r}, "progress": False}}}})

@@ -33,7 +33,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from rlhflab.lean import rms_norm_plain
 
@@ -279,6 +278,55 @@ class NativeDecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+def recomputed_in_backward(fn, *args):
+    """``fn(*args)`` keeping none of its intermediate tensors for backward: when backward
+    first needs one, ``fn`` runs again on the same inputs, and each tensor it saves is
+    handed to backward once and then dropped (activation checkpointing, non-reentrant: the
+    forward builds the graph as usual, only the tensors it would save are not kept).
+
+    Not ``torch.utils.checkpoint``: its non-reentrant path reads ``torch._dynamo.config``,
+    which imports torch's compiler stack (+76 MiB resident, ~800 modules, torch 2.13) —
+    what ``model.runtime=native`` exists to avoid. ``fn`` must save the same tensors in the
+    same order when run again: the decoder layer draws no random numbers (no dropout). The
+    recomputation's own graph keeps nothing (its pack hook returns None; one that returned
+    the tensor ties an output to its own grad_fn in a cycle Python cannot collect: a 25M
+    GRPO worker's peak went 1067 → 2028 MiB that way), and each recomputed tensor is kept
+    detached and dropped once backward has used it."""
+    count = [0]
+    recomputed: dict[int, torch.Tensor] = {}
+
+    def pack(_tensor) -> int:  # the forward keeps each saved tensor's position only
+        count[0] += 1
+        return count[0] - 1
+
+    def keep(tensor) -> None:  # the recomputation keeps a detached copy, by position
+        recomputed[len(recomputed)] = tensor.detach()
+
+    def unpack(index: int) -> torch.Tensor:
+        if index not in recomputed:  # first use in this backward: run the segment again
+            recomputed.clear()
+            inputs = [
+                a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
+                for a in args
+            ]
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(keep, _unused):
+                fn(*inputs)
+            if len(recomputed) != count[0]:
+                raise RuntimeError(
+                    f"activation checkpointing: the recomputed forward saved "
+                    f"{len(recomputed)} tensors where the first saved {count[0]} (a segment "
+                    "that is not deterministic?)"
+                )
+        return recomputed.pop(index)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        return fn(*args)
+
+
+def _unused(_packed) -> None:
+    raise RuntimeError("the graph of a recomputed segment is never run backward")
+
+
 def attention_mask_4d(attention_mask: torch.Tensor, q_len: int) -> torch.Tensor | None:
     """(B, T) 0/1 key mask → (B, 1, q_len, T) bool, causal over the last q_len positions;
     None when nothing is padded and there is no cache (SDPA's own causal kernel then).
@@ -354,7 +402,7 @@ class NativeLlamaModel(nn.Module):
         for i, layer in enumerate(self.layers):
             keep = keep_last if i == last else 0
             if self.checkpointing and self.training and torch.is_grad_enabled():
-                h = checkpoint(layer, h, cos, sin, mask, cache, keep, use_reentrant=False)
+                h = recomputed_in_backward(layer, h, cos, sin, mask, cache, keep)
             else:
                 h = layer(h, cos, sin, mask, cache, keep)
         return NativeOutput(last_hidden_state=self.norm(h), past_key_values=cache)

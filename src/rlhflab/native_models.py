@@ -70,7 +70,8 @@ class _NativePreTrained(nn.Module):
         return new
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None) -> None:
-        """Recompute each decoder layer in backward (non-reentrant torch checkpoint)."""
+        """Recompute each decoder layer in backward (non-reentrant checkpointing,
+        ``native.recomputed_in_backward``)."""
         kwargs = gradient_checkpointing_kwargs or {}
         if kwargs.get("use_reentrant", False):
             raise ValueError("the native runtime checkpoints with use_reentrant=False only")
