@@ -1,6 +1,8 @@
 """Run under torchrun by tests/test_distributed.py (and directly for the 1-rank reference)."""
 
+import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -38,6 +40,26 @@ def fixed_rollout(model, tokenizer, prompts, max_new_tokens, *args, **kwargs):
         list(prompts),
         texts,
     )
+
+
+def note_checkpoint_reads(out: str) -> list[str]:
+    """From now on, append to the returned list each file or folder under ``out`` that
+    this process reads weights or a torch.save'd state from (relative to ``out``)."""
+    import rlhflab.checkpoint as C
+
+    reads, read_weights, load = [], C.read_weights, torch.load
+
+    def noting_read_weights(folder, name=None):
+        reads.append(str(Path(folder, name or "").relative_to(out)))
+        return read_weights(folder, name)
+
+    def noting_load(f, *args, **kwargs):
+        if str(f).startswith(out):
+            reads.append(str(Path(f).relative_to(out)))
+        return load(f, *args, **kwargs)
+
+    C.read_weights, torch.load = noting_read_weights, noting_load
+    return reads
 
 
 def config(out_dir, *over, stage="ppo"):
@@ -90,8 +112,11 @@ if __name__ == "__main__":
         if ctx.is_main:
             torch.save(gathered, out)
     else:  # mode "run": real sampling, checkpoints; resumes when a checkpoint exists
+        reads = note_checkpoint_reads(out) if mode == "run-reads" else None
         t = PPOTrainer(config(out, *sys.argv[3:]))
         t.fit(resume=True)
+        if reads is not None:
+            Path(out, f"reads-{t.ctx.rank}.json").write_text(json.dumps(reads))
     from rlhflab.distributed import shutdown_distributed
 
     shutdown_distributed()  # as the CLI does: no live gloo group at interpreter exit

@@ -59,19 +59,58 @@ def test_all_gather_cat_joins_rank_tensors_in_rank_order(tmp_path):
 @pytest.mark.parametrize("runtime", ["transformers", "native"])
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_rank_run_trains_checkpoints_and_resumes(tmp_path, strategy, runtime):
-    run = tmp_path / strategy
+    run, straight = tmp_path / strategy, tmp_path / "straight"
     over = (f"dist.strategy={strategy}", f"model.runtime={runtime}")
     torchrun(2, "run", str(run), *over, "ppo.iterations=2")
     assert (run / "checkpoints" / "step-2" / "policy" / "config.json").exists()
-    torchrun(2, "run", str(run), *over, "ppo.iterations=3")
+    torchrun(2, "run-reads", str(run), *over, "ppo.iterations=3")
     rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [1, 2, 3]  # only rank 0 writes, once each
     assert f"runtime: {runtime}" in (run / "config.yaml").read_text()
-    state = torch.load(run / "checkpoints" / "step-3" / "state.pt", weights_only=True)
+    step3 = run / "checkpoints" / "step-3"
+    state = torch.load(step3 / "state.pt", weights_only=True)
     assert state["world"] == 2 and len(state["rng"]) == 2
     from transformers import AutoModelForCausalLM
 
-    AutoModelForCausalLM.from_pretrained(run / "checkpoints" / "step-3" / "policy")
+    AutoModelForCausalLM.from_pretrained(step3 / "policy")
+    # the resumed run is the run that was never stopped, bit for bit
+    torchrun(2, "run", str(straight), *over, "ppo.iterations=3")
+    _assert_same_checkpoint(step3, straight / "checkpoints" / "step-3")
+    again = [json.loads(ln) for ln in (straight / "metrics.jsonl").read_text().splitlines()]
+    assert [_untimed(r) for r in again] == [_untimed(r) for r in rows]
+    reads = [json.loads((run / f"reads-{r}.json").read_text()) for r in (0, 1)]
+    if strategy == "fsdp":  # rank 0 reads the weights and moments and sends rank 1 its shards
+        assert sorted(reads[0]) == sorted(
+            f"checkpoints/step-2/{f}" for f in ("policy", "critic", "state.pt", "optimizer.pt")
+        )
+        assert reads[1] == ["checkpoints/step-2/state.pt"]
+    else:  # replicated: each rank needs all of it
+        assert (
+            reads[0]
+            == reads[1]
+            == ["checkpoints/step-2/state.pt", "checkpoints/step-2/optimizer.pt"]
+        )
+
+
+def _untimed(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith(("time/", "throughput/", "memory/"))}
+
+
+def _assert_same_checkpoint(a: Path, b: Path) -> None:
+    from safetensors.torch import load_file
+
+    for folder in ("policy", "critic"):
+        wa, wb = (
+            load_file(a / folder / "model.safetensors"),
+            load_file(b / folder / "model.safetensors"),
+        )
+        assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), folder
+    oa = torch.load(a / "optimizer.pt", weights_only=True)
+    ob = torch.load(b / "optimizer.pt", weights_only=True)
+    flat = lambda x: torch.utils._pytree.tree_leaves(x)  # noqa: E731
+    assert len(flat(oa)) == len(flat(ob)) > 0
+    for x, y in zip(flat(oa), flat(ob)):
+        assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
 
 
 def test_numpy_matmul_under_fsdp(tmp_path):

@@ -241,8 +241,23 @@ def test_checkpoint_is_a_loadable_hf_folder_and_keeps_last_k(tmp_path):
     ckpts = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
     assert ckpts == ["step-3", "step-4"]
     AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "checkpoints" / "step-4" / "policy")
-    state = torch.load(tmp_path / "run" / "checkpoints" / "step-4" / "state.pt", weights_only=True)
+    step4 = tmp_path / "run" / "checkpoints" / "step-4"
+    state = torch.load(step4 / "state.pt", weights_only=True)
     assert state["iteration"] == 4
+    # the optimisers' moments in their own file (a sharded resume reads it on rank 0 only)
+    moments = torch.load(step4 / "optimizer.pt", weights_only=True)
+    assert set(moments) == {"optim", "critic_optim"} and not set(moments) & set(state)
+    assert moments["optim"]["state"]
+
+
+def test_a_checkpoint_with_its_optimisers_inside_state_pt_still_loads(tmp_path):
+    # checkpoints written before 2026-12-05 had no optimizer.pt
+    from rlhflab.checkpoint import read_state
+
+    old = {"iteration": 2, "optim": {"state": {}}, "critic_optim": {"state": {}}}
+    torch.save(old, tmp_path / "state.pt")
+    assert read_state(tmp_path) == old
+    assert read_state(tmp_path, optimizers=False) == {"iteration": 2}
 
 
 def test_nan_reward_is_skipped_then_the_run_halts_with_a_checkpoint(tmp_path):

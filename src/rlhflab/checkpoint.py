@@ -2,9 +2,13 @@
 
 ``checkpoints/step-N/`` holds ``policy/`` (an HF folder in safetensors with the tokenizer;
 a LoRA policy saves its adapter there), ``value_head.safetensors`` (shared backbone) or
-``critic/`` (an HF sequence-classification folder), and ``state.pt``: optimisers,
-schedulers, KL controller, RNG states, data position and step — plain tensors and numbers
-only, loaded with ``weights_only=True`` so nothing arbitrary is ever unpickled.
+``critic/`` (an HF sequence-classification folder), ``optimizer.pt`` (the optimisers'
+states, the largest part: two moments per trained weight) and ``state.pt`` (schedulers, KL
+controller, RNG states, data position, step): plain tensors and numbers only, loaded with
+``weights_only=True`` so nothing arbitrary is ever unpickled. The optimisers sit in their
+own file so that a sharded (FSDP) resume reads them on rank 0 alone and the other ranks
+read only the small ``state.pt`` (``trainers/runstate.py``); checkpoints written before
+2026-12-05 hold them inside ``state.pt``, and load as before.
 A checkpoint is written under ``step-N.tmp`` and renamed when complete, so a run killed at
 any moment leaves only complete checkpoints behind.
 """
@@ -22,6 +26,8 @@ from rlhflab.models import PolicyWithValueHead
 from rlhflab.native_models import iter_safetensors
 
 _STEP = re.compile(r"^step-(\d+)$")
+# the keys of a trainer's state that go to optimizer.pt (whichever of them it has)
+OPTIMIZER_KEYS = ("optim", "critic_optim")
 
 
 def _save_lm(lm, folder: Path, tokenizer, state_dict: dict | None = None) -> None:
@@ -69,7 +75,9 @@ def save_checkpoint(
     if cast.critic is not None:
         critic = _strip(critic_state, "model.") if critic_state is not None else None
         _save_lm(cast.critic, tmp / "critic", cast.tokenizer, critic)
-    torch.save(state, tmp / "state.pt")
+    optimizers = {k: state[k] for k in OPTIMIZER_KEYS if k in state}
+    torch.save({k: v for k, v in state.items() if k not in optimizers}, tmp / "state.pt")
+    torch.save(optimizers, tmp / "optimizer.pt")
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)
@@ -145,7 +153,22 @@ def load_checkpoint(path: Path, cast) -> dict:
         cast.policy.value_head.load_state_dict(load_file(str(path / "value_head.safetensors")))
     if cast.critic is not None:
         _load_into(cast.critic, path / "critic")
-    return torch.load(path / "state.pt", weights_only=True)
+    return read_state(path)
+
+
+def read_state(path: Path, optimizers: bool = True) -> dict:
+    """A checkpoint's training state: ``state.pt``, with the optimisers' states of
+    ``optimizer.pt`` merged in where ``optimizers``. Without them, the returned state has
+    no optimiser keys (also from a checkpoint of before 2026-12-05, whose state.pt held
+    them: they are dropped after reading)."""
+    state = torch.load(path / "state.pt", weights_only=True)
+    if (path / "optimizer.pt").exists():
+        if optimizers:
+            state.update(torch.load(path / "optimizer.pt", weights_only=True))
+    elif not optimizers:
+        for k in OPTIMIZER_KEYS:
+            state.pop(k, None)
+    return state
 
 
 def rng_state(generators: dict[str, torch.Generator]) -> dict:

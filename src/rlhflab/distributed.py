@@ -178,13 +178,18 @@ def full_state_dict(module: nn.Module, ctx: DistContext, strategy: str) -> dict 
     return None
 
 
-def load_full_state_dict(module: nn.Module, state: dict) -> None:
+def load_full_state_dict(module: nn.Module, state: dict, ctx: DistContext) -> None:
+    """Load full (unsharded) weights into a sharded ``module``: ``state`` on rank 0, ``{}``
+    on the others; rank 0 sends each tensor in turn and every rank keeps its shard, so no
+    other rank ever holds the whole model. Every rank must call it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    # strict=False only because tied embeddings are saved once (lm_head.weight is absent)
-    result = set_model_state_dict(
-        module, state, options=StateDictOptions(full_state_dict=True, strict=False)
-    )
+    if not ctx.is_main and state:
+        raise ValueError("load_full_state_dict: only rank 0 passes weights; the others {}")
+    # strict=False only because tied embeddings are saved once (lm_head.weight is absent);
+    # the keys are checked here instead
+    options = StateDictOptions(full_state_dict=True, strict=False, broadcast_from_rank0=True)
+    result = set_model_state_dict(module, state, options=options)
     missing = [k for k in getattr(result, "missing_keys", []) if not k.endswith("lm_head.weight")]
     if missing or getattr(result, "unexpected_keys", []):
         raise RuntimeError(
@@ -213,6 +218,8 @@ def load_optimizer_state(module, opt, state: dict, ctx: DistContext, strategy: s
             set_optimizer_state_dict,
         )
 
-        set_optimizer_state_dict(module, opt, state, options=StateDictOptions(full_state_dict=True))
+        # rank 0 holds the full state and sends it tensor by tensor; the others pass {}
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_optimizer_state_dict(module, opt, state, options=options)
     else:
         opt.load_state_dict(state)

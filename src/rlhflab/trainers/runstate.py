@@ -2,8 +2,9 @@
 
 Shared by PPO, GRPO and RLOO. Under torchrun only rank 0 writes logs, samples and
 checkpoint files; every rank takes part in gathering sharded (FSDP) weights and optimiser
-state into plain tensors first. RNG states differ per rank, so all of them are gathered into
-the one ``state.pt``; a run checkpointed with N ranks resumes with N ranks.
+state into plain tensors first, and on resume rank 0 alone reads them back and sends each
+rank its shard. RNG states differ per rank, so all of them are gathered into the one
+``state.pt``; a run checkpointed with N ranks resumes with N ranks.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 import yaml
 
@@ -124,20 +124,31 @@ class CheckpointedRun:
         if not self.fsdp:
             self.load_state_dict(C.load_checkpoint(path, self.cast))
             return
-        policy = C.read_weights(path / "policy")
-        if self.cast.shared:
+        # sharded: rank 0 alone reads the full weights and optimiser states and sends each
+        # tensor on, every rank keeping its shard (load_full_state_dict and
+        # load_optimizer_state, broadcast from rank 0); the others read only state.pt. Read
+        # on every rank, a resume held the whole model and its two moments once per process
+        # (12 bytes per trained fp32 weight: on 8 ranks of one machine, 8 copies of it)
+        main = self.ctx.is_main
+        policy = C.read_weights(path / "policy") if main else {}
+        if self.cast.shared and main:
             head = C.read_weights(path, "value_head.safetensors")
             policy = {
                 **{f"lm.{k}": v for k, v in policy.items()},
                 **{f"value_head.{k}": v for k, v in head.items()},
             }
-        load_full_state_dict(self.cast.policy, policy)
+        load_full_state_dict(self.cast.policy, policy, self.ctx)
+        del policy
         if self.cast.critic_values is not None:
-            critic = C.read_weights(path / "critic")
+            critic = C.read_weights(path / "critic") if main else {}
             load_full_state_dict(
-                self.cast.critic_values, {f"model.{k}": v for k, v in critic.items()}
+                self.cast.critic_values, {f"model.{k}": v for k, v in critic.items()}, self.ctx
             )
-        self.load_state_dict(torch.load(path / "state.pt", weights_only=True))
+            del critic
+        state = C.read_state(path, optimizers=main)
+        if not main:
+            state.update({k: {} for k in C.OPTIMIZER_KEYS})
+        self.load_state_dict(state)
 
     # ------------------------------------------------------------------ the loop
 
