@@ -204,3 +204,28 @@ def test_quick_demo_improves_gold_reward(tmp_path, capsys):
     assert sum(r["monitor/gold"] for r in rows[-3:]) < sum(r["monitor/gold"] for r in rows[:3])
     fired = {a["signal"] for a in read_jsonl(tmp_path / "hack" / "alerts.jsonl")}
     assert {"flattery_excess", "flattery_opener_ratio"} <= fired
+
+
+@pytest.mark.parametrize(
+    "command,field,extra",
+    [
+        ("ppo", "data.prompts", []),
+        ("grpo", "data.prompts", ["model.value_model=none"]),
+        ("sft", "sft.data", []),
+        ("rm", "rm.data", []),
+        ("dpo", "dpo.data", []),
+    ],
+)
+def test_a_bad_data_file_is_reported_before_any_model_is_loaded(
+    tmp_path, monkeypatch, capsys, command, field, extra
+):
+    def no_model(*a, **k):
+        raise AssertionError("a model was loaded before the data was read")
+
+    for loader in ("load_causal_lm", "load_sequence_classifier"):
+        monkeypatch.setattr(M, loader, no_model)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n")
+    args = [command, "--config", "examples/tiny_ppo.yaml", f"{field}={bad}", *extra]
+    assert main([*args, f"log.output_dir={tmp_path / 'run'}"]) == 2
+    assert "bad.jsonl:1: not valid JSON" in capsys.readouterr().err

@@ -92,11 +92,20 @@ def head_weight_vector(rm, heads: dict[str, float]) -> torch.Tensor:
     return torch.tensor([heads.get(n, 0.0) if heads else 1.0 for n in names])
 
 
-def build_cast(cfg: Config, device: torch.device | None = None) -> ModelCast:
+def load_policy_tokenizer(cfg: Config):
+    """The policy's tokenizer alone: cheap, so that the data can be checked before any
+    model is loaded."""
+    path = M.resolve_path(cfg.model.policy, "model.policy")
+    return M.load_tokenizer(path, cfg.model.trust_remote_code, runtime=cfg.model.runtime)
+
+
+def build_cast(cfg: Config, device: torch.device | None = None, tokenizer=None) -> ModelCast:
+    """Load the configured models; ``tokenizer``: the policy's, where the caller has
+    already loaded it (``load_policy_tokenizer``)."""
     device = device or resolve_device(cfg.device)
     mc = cfg.model
     policy_path = M.resolve_path(mc.policy, "model.policy")
-    tokenizer = M.load_tokenizer(policy_path, mc.trust_remote_code, runtime=mc.runtime)
+    tokenizer = tokenizer or load_policy_tokenizer(cfg)
     lm = M.load_causal_lm(policy_path, tokenizer, mc.trust_remote_code, runtime=mc.runtime)
 
     # Reward model first: a critic may be initialised from it before it is cast to low precision.

@@ -160,9 +160,10 @@ def sample(
         if scores is not None:
             scores.record(logits, nxt)
         tokens.append(nxt)
-        if eos_id is not None:
+        done = False
+        if eos_id is not None:  # (without one, nothing finishes early: no host sync a step)
             finished = finished | (nxt == eos_id)
-        done = bool(finished.all())
+            done = bool(finished.all())
         if all_done is not None:  # data parallel with sharded weights: stop together
             done = all_done(done)
         if done or step == max_new_tokens - 1:

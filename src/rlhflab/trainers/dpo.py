@@ -62,6 +62,8 @@ class DPOTrainer:
         self.device = torch.device(
             "cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu"
         )
+        # a data file is read before the model is loaded: a bad row is reported in seconds
+        pairs = load_preferences(d.data) if d.data else None
         path = M.resolve_path(cfg.model.policy, "model.policy")
         self.tokenizer = M.load_tokenizer(
             path, cfg.model.trust_remote_code, runtime=cfg.model.runtime
@@ -78,7 +80,8 @@ class DPOTrainer:
             lm, cfg.model.reference_precision, cfg.model.offload_frozen, self.device
         )
         apply_cpu_matmul(cfg.model.cpu_matmul, self.device, (lm, self.reference))
-        pairs = load_preferences(d.data) if d.data else builtin_pairs(_with_pairs(cfg, d.pairs))
+        if pairs is None:
+            pairs = builtin_pairs(_with_pairs(cfg, d.pairs))
         self.prompts = [p.prompt for p in pairs]
         self.chosen = [p.chosen for p in pairs]
         self.rejected = [p.rejected for p in pairs]

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from rlhflab import algorithms as A
-from rlhflab.cast import ModelCast, build_cast
+from rlhflab.cast import ModelCast, build_cast, load_policy_tokenizer
 from rlhflab.config import Config, ConfigError
 from rlhflab.distributed import (
     global_moments,
@@ -88,10 +88,14 @@ class PPOTrainer(PPOEpochs, PPOWatch, CheckpointedRun):
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.ctx = init_distributed(cfg.device)
-        self.cast = cast or build_cast(cfg, self.ctx.device if self.ctx.enabled else None)
+        # the prompts first, with the policy's tokenizer alone: a bad data file is reported
+        # in seconds, not after four models have been loaded
+        tokenizer = cast.tokenizer if cast is not None else load_policy_tokenizer(cfg)
+        self.stream = load_prompt_set(cfg, tokenizer)
+        device = self.ctx.device if self.ctx.enabled else None
+        self.cast = cast or build_cast(cfg, device, tokenizer)
         self.device = self.cast.device
         p = cfg.ppo
-        self.stream = load_prompt_set(cfg, self.cast.tokenizer)
         self._setup_parallel()
         total_steps = p.iterations * p.epochs * p.minibatches
         groups = [

@@ -131,6 +131,8 @@ def train_rm(cfg: Config) -> dict:
     heads = list(r.heads)
     if not heads:
         raise ConfigError("rm.heads: at least one head is needed")
+    # a data file is read before the model is loaded: a bad row is reported in seconds
+    pairs = load_preferences(r.data) if r.data else None
     init = M.resolve_path(r.init or cfg.model.policy, "rm.init")
     tokenizer = M.load_tokenizer(init, cfg.model.trust_remote_code, runtime=cfg.model.runtime)
     model = (
@@ -149,7 +151,8 @@ def train_rm(cfg: Config) -> dict:
     apply_cpu_matmul(cfg.model.cpu_matmul, device, (model,))
     model.config.id2label = dict(enumerate(heads))
     model.config.label2id = {h: i for i, h in enumerate(heads)}
-    pairs = load_preferences(r.data) if r.data else builtin_pairs(cfg)
+    if pairs is None:
+        pairs = builtin_pairs(cfg)
     where = r.data or "the built-in pairs"
     random.Random(cfg.seed).shuffle(pairs)
     n_held = max(1, int(len(pairs) * r.heldout_fraction))

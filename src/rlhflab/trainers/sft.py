@@ -84,6 +84,8 @@ def train_sft(cfg: Config) -> dict:
     s = cfg.sft
     torch.manual_seed(cfg.seed)
     device = torch.device("cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu")
+    # a data file is read before the model is loaded: a bad row is reported in seconds
+    pairs = load_sft_pairs(s.data) if s.data else None
     path = M.resolve_path(cfg.model.policy, "model.policy")
     tokenizer = M.load_tokenizer(path, cfg.model.trust_remote_code, runtime=cfg.model.runtime)
     model = (
@@ -94,7 +96,8 @@ def train_sft(cfg: Config) -> dict:
     if cfg.model.lean_activations:
         make_activations_lean(model)
     apply_cpu_matmul(cfg.model.cpu_matmul, device, (model,))
-    pairs = load_sft_pairs(s.data) if s.data else builtin_sft_pairs(s.examples, cfg.seed)
+    if pairs is None:
+        pairs = builtin_sft_pairs(s.examples, cfg.seed)
     opt = build_optimizer_simple(model.parameters(), s.lr)
     sched = build_scheduler(opt, s.warmup_steps, s.steps, "cosine")
     gen = torch.Generator().manual_seed(cfg.seed)
