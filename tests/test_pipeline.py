@@ -132,6 +132,10 @@ def test_sft_rm_ppo_commands_chain(tmp_path, capsys, runtime):
     )
     out = capsys.readouterr().out
     assert "held-out pairwise accuracy: preference" in out
+    assert "held-out checks" in out and "\nreward " in out
+    checks = json.loads((rm / "rm_checks.json").read_text())
+    assert set(checks) == {"preference", "correctness", "brevity", "politeness", "reward"}
+    assert 0 <= checks["preference"]["calibration_error"] <= 0.5
     assert (
         main(
             [

@@ -138,11 +138,12 @@ def cmd_sft(args) -> int:
 
 def cmd_rm(args) -> int:
     from rlhflab.config import load_config
-    from rlhflab.trainers.rm import train_rm
+    from rlhflab.trainers.rm import format_checks, train_rm
 
     result = train_rm(load_config(args.config, args.overrides, stage="rm"))
     acc = ", ".join(f"{k} {v:.3f}" for k, v in result["heldout_accuracy"].items())
     print(f"held-out pairwise accuracy: {acc}; model saved to {result['output_dir']}")
+    print(format_checks(result["heldout_checks"]))
     return 0
 
 

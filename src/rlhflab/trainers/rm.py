@@ -3,12 +3,15 @@
 Head ``preference`` learns the annotator's overall choice (chosen ≻ rejected); every other
 head learns the per-attribute label of its name (1: chosen better, 0: worse, 0.5: tie) with
 the soft Bradley-Terry loss. The training loss is the weighted mean of the head losses.
-Held-out pairwise accuracy is reported per head (ties excluded).
+Held-out pairwise accuracy is reported per head (ties excluded), with calibration and
+length-bias checks (``rlhflab.rm_checks``) written to ``rm_checks.json`` beside the model.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import random
 import time
 from pathlib import Path
@@ -22,6 +25,7 @@ from rlhflab.config import Config, ConfigError
 from rlhflab.cpu_blas import apply_cpu_matmul
 from rlhflab.data import DataError, PreferencePair, load_preferences
 from rlhflab.lean import make_activations_lean
+from rlhflab.rm_checks import reward_checks
 from rlhflab.trainers.common import (
     build_optimizer_simple,
     build_scheduler,
@@ -30,6 +34,13 @@ from rlhflab.trainers.common import (
 )
 
 log = logging.getLogger(__name__)
+
+# A warning when the reward PPO will optimise prefers the longer of two answers in more
+# than this share of held-out pairs (a coin is 0.5). A threshold, not a measured boundary:
+# on the demo's task the default annotator's reward model prefers the longer answer in
+# 0.24-0.27 of pairs, the `hacking` preset's 0.71-0.75 (its PPO runs lengthen their answers:
+# length_ratio alerts at iterations 15-25, docs/monitors.md)
+LONGER_PREFERRED_WARNING = 0.6
 
 
 def builtin_pairs(cfg: Config) -> list[PreferencePair]:
@@ -98,30 +109,75 @@ def pair_loss(model, tokenizer, pairs, targets, weights, margin, device):
 
 
 @torch.no_grad()
-def heldout_accuracy(model, tokenizer, pairs, targets, heads, device, batch=64) -> dict:
+def heldout_scores(model, tokenizer, pairs, device, batch=64):
+    """(chosen, rejected) head scores (N, K) each of held-out pairs, in eval mode."""
     model.eval()
-    diffs = torch.cat(
-        [
-            pair_loss(
-                model,
-                tokenizer,
-                pairs[s : s + batch],
-                targets[s : s + batch],
-                [1.0] * len(heads),
-                None,
-                device,
-            )[1].cpu()
-            for s in range(0, len(pairs), batch)
-        ]
-    )
+    chosen, rejected = [], []
+    for s in range(0, len(pairs), batch):
+        part = pairs[s : s + batch]
+        texts = [p.prompt + p.chosen for p in part] + [p.prompt + p.rejected for p in part]
+        scores = score_texts(model, tokenizer, texts, device).cpu()
+        chosen.append(scores[: len(part)])
+        rejected.append(scores[len(part) :])
     model.train()
-    acc = {}
-    for k, h in enumerate(heads):
-        decided = ~torch.isnan(targets[:, k]) & (targets[:, k] != 0.5)
-        if decided.any():
-            right = (diffs[decided, k] > 0) == (targets[decided, k] > 0.5)
-            acc[h] = right.float().mean().item()
-    return acc
+    return torch.cat(chosen), torch.cat(rejected)
+
+
+def heldout_checks(
+    chosen, rejected, targets, heads: list[str], tokenizer, pairs, reward_heads: dict
+) -> dict[str, dict[str, float]]:
+    """rm_checks.reward_checks per head, and for ``reward`` — the heads' weighted sum with
+    ``reward_heads`` (reward.heads: what PPO will optimise; every head at 1 when empty),
+    checked against the ``preference`` labels where that head exists."""
+    answer_len = [
+        torch.tensor(
+            [len(tokenizer(getattr(p, side), add_special_tokens=False)["input_ids"]) for p in pairs]
+        )
+        for side in ("chosen", "rejected")
+    ]
+    out = {
+        h: reward_checks(chosen[:, k], rejected[:, k], targets[:, k], *answer_len)
+        for k, h in enumerate(heads)
+    }
+    weights = torch.tensor([reward_heads.get(h, 0.0) if reward_heads else 1.0 for h in heads])
+    label = targets[:, heads.index("preference")] if "preference" in heads else None
+    out["reward"] = reward_checks(chosen @ weights, rejected @ weights, label, *answer_len)
+    return out
+
+
+def length_warning(reward: dict[str, float]) -> str | None:
+    """A warning when ``reward`` (the checks of what PPO will optimise) prefers the longer
+    answer in more than LONGER_PREFERRED_WARNING of held-out pairs; else None."""
+    share = reward["longer_preferred"]
+    if not share > LONGER_PREFERRED_WARNING:
+        return None
+    labels = reward.get("longer_preferred_by_labels", math.nan)
+    return (
+        f"the reward PPO will optimise (reward.heads) prefers the longer answer in "
+        f"{100 * share:.0f}% of held-out pairs of unequal length"
+        + ("" if math.isnan(labels) else f" (its preference labels: {100 * labels:.0f}%)")
+        + ": PPO against it is likely to lengthen its answers; watch response/length and "
+        "the monitor's length signals"
+    )
+
+
+def format_checks(checks: dict[str, dict[str, float]]) -> str:
+    """The held-out checks as a small table (``rlhflab rm`` prints it)."""
+
+    def cell(row: dict, key: str) -> str:
+        v = row.get(key)
+        return f"{'-':>9}" if v is None or math.isnan(v) else f"{v:>9.3f}"
+
+    keys = ("accuracy", "calibration_error", "longer_preferred", "longer_preferred_by_labels")
+    lines = [
+        "held-out checks (rm_checks.json; docs/ppo.md, 'Is the reward model any good?'):",
+        f"{'reward':<12}{'accuracy':>9}{'ECE':>9}{'longer:rm':>10}{'labels':>9}{'r(len)':>9}",
+    ]
+    for name, row in checks.items():
+        cells = "".join(cell(row, k) for k in keys[:2])
+        cells += " " + cell(row, keys[2]) + cell(row, keys[3]) + cell(row, "score_length_corr")
+        lines.append(f"{name:<12}{cells}")
+    return "\n".join(lines)
 
 
 def train_rm(cfg: Config) -> dict:
@@ -182,13 +238,28 @@ def train_rm(cfg: Config) -> dict:
         losses.append(supervised_step(model, opt, sched, loss))
         if hasattr(bar, "set_postfix") and step % 10 == 0:
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
-    accuracy = heldout_accuracy(model, tokenizer, held, held_t, heads, device)
+    checks = heldout_checks(
+        *heldout_scores(model, tokenizer, held, device),
+        held_t,
+        heads,
+        tokenizer,
+        held,
+        dict(cfg.reward.heads or {}),
+    )
+    accuracy = {h: checks[h]["accuracy"] for h in heads if checks[h]["pairs"]}
     out = Path(r.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
+    # NaN (a check with no pair to count) as null: strict JSON, for any reader
+    plain = {
+        name: {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in row.items()}
+        for name, row in checks.items()
+    }
+    (out / "rm_checks.json").write_text(json.dumps(plain, indent=2, allow_nan=False))
     result = {
         "heldout_accuracy": accuracy,
+        "heldout_checks": checks,
         "pairs": len(pairs),
         "heldout_pairs": len(held),
         "loss_last": sum(losses[-20:]) / len(losses[-20:]),
@@ -200,4 +271,7 @@ def train_rm(cfg: Config) -> dict:
         {k: round(v, 3) for k, v in accuracy.items()},
         out,
     )
+    warning = length_warning(checks["reward"])
+    if warning:
+        log.warning("%s", warning)
     return result

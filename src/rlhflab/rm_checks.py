@@ -1,0 +1,129 @@
+"""Is the reward model any good? Checks on held-out preference pairs (``rlhflab rm``).
+
+Held-out accuracy alone does not say what PPO will do with a reward model. Two more
+things do, and users of other RLHF libraries keep asking how to see them
+(docs/ppo.md, "Is the reward model any good?"):
+
+* **calibration**: a Bradley-Terry model says P(chosen ≻ rejected) = σ(r_c − r_r). When
+  its confident pairs are right no more often than its unsure ones, its score gaps are
+  noise that PPO will chase (expected calibration error, Guo et al. 2017, "On Calibration
+  of Modern Neural Networks").
+* **length bias**: reward models prefer the longer answer more often than the labels
+  they learnt from do (Singhal et al. 2023, "A Long Way to Go: Investigating Length
+  Correlations in RLHF"), and PPO then lengthens its answers (reward hacking, pain point
+  four). Measured as the share of pairs of unequal length where the model scores the
+  longer answer higher, against the share where the label prefers it, and as the
+  correlation between score and answer length.
+
+Pure functions: tensors in, numbers out, no model or config.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def calibration_error(diff: torch.Tensor, outcome: torch.Tensor, bins: int = 10) -> float:
+    """Expected calibration error of the Bradley-Terry probability σ(diff).
+
+    diff: (N,) score gaps r_chosen − r_rejected. outcome: (N,) 1.0 where the chosen answer
+    is indeed the better one, 0.0 where it is the worse (ties left out by the caller).
+    Each pair's prediction is the answer σ(diff) favours, with confidence
+    max(σ, 1 − σ) ∈ [0.5, 1]; pairs are put in ``bins`` equal-width confidence bins over
+    [0.5, 1], and the error is Σ_b (n_b / N) · |accuracy_b − mean confidence_b|.
+    0 = perfectly calibrated. NaN for N = 0.
+    """
+    if diff.shape != outcome.shape or diff.dim() != 1:
+        raise ValueError(f"diff {tuple(diff.shape)} and outcome {tuple(outcome.shape)}: (N,) each")
+    n = diff.numel()
+    if n == 0:
+        return math.nan
+    p = torch.sigmoid(diff.double())
+    confidence = torch.maximum(p, 1 - p)
+    correct = ((p > 0.5) == (outcome > 0.5)).double()
+    # confidence 0.5 .. 1 → bin 0 .. bins − 1 (1.0 falls in the last bin)
+    index = ((confidence - 0.5) * 2 * bins).floor().clamp(0, bins - 1).long()
+    err = 0.0
+    for b in range(bins):
+        inside = index == b
+        if inside.any():
+            gap = correct[inside].mean() - confidence[inside].mean()
+            err += int(inside.sum()) / n * abs(gap.item())
+    return err
+
+
+def longer_preferred(diff: torch.Tensor, len_chosen: torch.Tensor, len_rejected: torch.Tensor):
+    """Share of pairs of unequal length in which ``diff`` favours the longer answer.
+
+    diff: (N,) > 0 where the chosen answer is favoured, < 0 where the rejected one is, 0 for
+    neither (counts as half). Pass a reward model's score gaps, or label − 0.5 for what the
+    labels prefer. len_chosen, len_rejected: (N,) answer lengths. Returns (share, pairs
+    counted); share is NaN when every pair has equal lengths.
+    """
+    if not diff.shape == len_chosen.shape == len_rejected.shape or diff.dim() != 1:
+        raise ValueError("diff, len_chosen, len_rejected: (N,) each")
+    unequal = len_chosen != len_rejected
+    n = int(unequal.sum())
+    if n == 0:
+        return math.nan, 0
+    chosen_longer = (len_chosen > len_rejected)[unequal].double()
+    favours_chosen = torch.sign(diff[unequal].double()) * 0.5 + 0.5  # 1, 0.5 or 0
+    # the longer one is favoured when (chosen longer and chosen favoured) or the reverse
+    share = chosen_longer * favours_chosen + (1 - chosen_longer) * (1 - favours_chosen)
+    return share.mean().item(), n
+
+
+def pearson(x: torch.Tensor, y: torch.Tensor) -> float:
+    """Pearson correlation of two (N,) samples; NaN when either is constant or N < 2."""
+    if x.shape != y.shape or x.dim() != 1:
+        raise ValueError(f"x {tuple(x.shape)} and y {tuple(y.shape)}: (N,) each")
+    if x.numel() < 2:
+        return math.nan
+    x, y = x.double() - x.double().mean(), y.double() - y.double().mean()
+    denom = (x.square().sum() * y.square().sum()).sqrt()
+    return (x * y).sum().div(denom).item() if denom > 0 else math.nan
+
+
+def reward_checks(
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+    label: torch.Tensor | None,
+    len_chosen: torch.Tensor,
+    len_rejected: torch.Tensor,
+) -> dict[str, float]:
+    """Every check for one reward (a head, or the heads' weighted sum).
+
+    chosen, rejected: (N,) scores of the pairs' two answers. label: (N,) in [0, 1] (1:
+    chosen better, 0: worse, 0.5: tie, NaN: no label), or None where this reward has no
+    labels of its own (a weighted sum of heads). len_chosen, len_rejected: (N,) answer
+    lengths in tokens. Keys: ``longer_preferred`` (the reward's share, pairs of unequal
+    length), ``score_length_corr`` (over all 2N answers), and with labels also
+    ``accuracy`` and ``calibration_error`` (decided pairs), ``longer_preferred_by_labels``
+    and ``length_bias`` = longer_preferred − longer_preferred_by_labels (pairs of unequal
+    length with a decided label, for both shares), ``pairs`` (decided pairs).
+    """
+    diff = chosen - rejected
+    out = {
+        "longer_preferred": longer_preferred(diff, len_chosen, len_rejected)[0],
+        "score_length_corr": pearson(
+            torch.cat([chosen, rejected]), torch.cat([len_chosen, len_rejected]).double()
+        ),
+    }
+    if label is None:
+        return out
+    decided = ~torch.isnan(label) & (label != 0.5)
+    outcome = (label[decided] > 0.5).double()
+    d, lc, lr = diff[decided], len_chosen[decided], len_rejected[decided]
+    by_model, _ = longer_preferred(d, lc, lr)
+    by_labels, _ = longer_preferred(outcome - 0.5, lc, lr)
+    out.update(
+        accuracy=((d > 0).double() == outcome).double().mean().item() if d.numel() else math.nan,
+        calibration_error=calibration_error(d, outcome),
+        longer_preferred=by_model,
+        longer_preferred_by_labels=by_labels,
+        length_bias=by_model - by_labels,
+        pairs=int(decided.sum()),
+    )
+    return out
