@@ -484,3 +484,14 @@ def test_adaptive_kl_controller_follows_ziegler_update_and_round_trips():
     assert fixed.value == 0.05
     with pytest.raises(ValueError):
         A.AdaptiveKLController(0.1, target=0.0, horizon=1)
+
+
+def test_mean_z_score_matches_loop():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(40, generator=g, dtype=torch.float64) - 0.3
+    vals = x.tolist()
+    mean = sum(vals) / len(vals)
+    std = math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1))
+    assert A.mean_z_score(x) == pytest.approx(mean / (std / math.sqrt(len(vals))), abs=1e-12)
+    assert math.isnan(A.mean_z_score(torch.zeros(5))) and math.isnan(A.mean_z_score(x[:1]))
+    assert A.mean_z_score(torch.full((3,), -1.0)) == -math.inf

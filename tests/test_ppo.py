@@ -356,3 +356,22 @@ def test_parquet_prompts_and_memory_command(tmp_path, capsys):
     )
     out = capsys.readouterr().out
     assert "policy" in out and "reference" in out and "measured peak" in out
+
+
+def test_a_significantly_negative_kl_is_explained_once_and_a_correct_run_never_warns(
+    tmp_path, caplog
+):
+    t = PPOTrainer(make_cfg(tmp_path))
+    with caplog.at_level("WARNING", logger="rlhflab.trainers.ppo_watch"):
+        t.fit()  # a correct run: its answers are π's own samples
+        rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+        assert all(r["objective/kl_k3"] >= 0 for r in rows)
+        assert "standard errors below zero" not in caplog.text
+        t._check_kl_sign(torch.tensor([0.1, -0.2, 0.05, 0.0]))  # noise around zero
+        assert "standard errors below zero" not in caplog.text
+        t.cfg.rollout.top_k = 5  # a cause the warning should name
+        t._check_kl_sign(torch.tensor([-0.50, -0.45, -0.55, -0.48, -0.52, -0.47]))
+        assert "standard errors below zero" in caplog.text and "rollout.top_k" in caplog.text
+        caplog.clear()
+        t._check_kl_sign(torch.full((6,), -1.0) + torch.arange(6) * 0.01)
+        assert "standard errors below zero" not in caplog.text  # once a run

@@ -21,6 +21,8 @@ DAPO = Yu et al. 2025 (arXiv 2503.14476).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -197,6 +199,27 @@ def kl_estimate(
 
 
 # --------------------------------------------------------------------------- rewards and advantages
+
+
+def mean_z_score(x: torch.Tensor) -> float:
+    """How many standard errors the mean of a sample lies from zero: mean / (std / √N),
+    with the unbiased std; x (N,). NaN for N < 2, ±inf for a constant non-zero sample.
+
+    Used on per-answer k1 KL sums: from answers sampled by π itself E[k1] = KL(π‖π_ref) ≥ 0,
+    so a batch mean many standard errors below zero says the answers were not sampled
+    from the π whose log-probs were used (truncated sampling, a mismatched temperature
+    or forward), not that the policy came closer to the reference than zero.
+    """
+    if x.dim() != 1:
+        raise ValueError(f"x: (N,), got {tuple(x.shape)}")
+    n = x.numel()
+    if n < 2:
+        return math.nan
+    x = x.double()
+    mean, std = x.mean().item(), x.std(unbiased=True).item()
+    if std == 0:
+        return math.nan if mean == 0 else math.copysign(math.inf, mean)
+    return mean / (std / math.sqrt(n))
 
 
 def last_token_index(response_mask: torch.Tensor) -> torch.Tensor:

@@ -50,6 +50,8 @@ METRICS = {
     "objective/scores/<name>": "mean of each reward component (each head, each function)",
     "objective/kl": "KL to the reference: batch mean of Σ_t (logp_old − logp_ref) (k1, nats "
     "per answer; OAI19)",
+    "objective/kl_k3": "the same KL with the k3 estimator, never negative (a negative "
+    "objective/kl beside it: the answers were not sampled by π; a warning says so)",
     "objective/kl_coef": "β used this iteration",
     "objective/non_score_reward": "batch mean of Σ_t −β·kl_t (the KL part of the RLHF reward)",
     "objective/rlhf_reward": "objective/scores + objective/non_score_reward",
@@ -294,12 +296,15 @@ class PPOTrainer(PPOEpochs, PPOWatch, CheckpointedRun):
         # 9. metrics
         k1 = torch.where(mask.bool(), rollout.old_logprobs - rollout.ref_logprobs, 0.0)
         seq_kl = k1.sum(1)
+        self._check_kl_sign(seq_kl)
+        k3 = A.kl_estimate(rollout.old_logprobs, rollout.ref_logprobs, "k3")
         non_score = (-beta * kl).sum(1) if in_reward else torch.zeros_like(seq_kl)
         lengths = mask.sum(1).float()
         metrics = {
             "objective/scores": raw_scores.mean().item(),
             **{f"objective/scores/{k}": v.mean().item() for k, v in rollout.components.items()},
             "objective/kl": seq_kl.mean().item(),
+            "objective/kl_k3": torch.where(mask.bool(), k3, 0.0).sum(1).mean().item(),
             "objective/kl_coef": beta,
             "objective/non_score_reward": non_score.mean().item(),
             "objective/rlhf_reward": (raw_scores + non_score).mean().item(),

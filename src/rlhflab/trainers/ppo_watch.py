@@ -9,9 +9,17 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
+from rlhflab import algorithms as A
 from rlhflab.rollout import Rollout, generate_rollout, opener_logprobs
 
 log = logging.getLogger(__name__)
+
+# A batch's mean k1 KL this many standard errors below zero cannot come from answers that
+# π itself sampled (E[k1] = KL ≥ 0). At z = −4 a correct run is wrongly warned about with
+# probability ~3e-5 per iteration even at KL exactly 0 (normal approximation).
+NEGATIVE_KL_Z = -4.0
 
 
 class PPOWatch:
@@ -29,6 +37,33 @@ class PPOWatch:
         return tuple(
             self.ctx.all_gather_cat(opener_logprobs(model, tok, *args, micro, mc.opener_tokens))
             for model in (self.cast.policy_lm, self.cast.reference)
+        )
+
+    def _check_kl_sign(self, seq_kl: torch.Tensor) -> None:
+        """Warn once a run when the global batch's per-answer k1 KL (B,) is significantly
+        negative. TRL users meet "KL divergence is starting to become negative" and ask why
+        (trl #925, #1161; LlamaFactory #664); this names the causes this config has."""
+        if getattr(self, "kl_sign_warned", False):
+            return
+        z = A.mean_z_score(self.ctx.all_gather_cat(seq_kl.detach().float()))
+        if not z < NEGATIVE_KL_Z:
+            return
+        self.kl_sign_warned = True
+        r = self.cfg.rollout
+        causes = ["a sampler or forward that does not compute π's own log-probs"]
+        if r.top_k or r.top_p < 1.0:
+            causes.insert(
+                0,
+                "rollout.top_k/top_p truncate the sampling distribution, while "
+                "the log-probs are the full distribution's",
+            )
+        log.warning(
+            "objective/kl (k1) is %.1f standard errors below zero: the answers were not "
+            "sampled from the policy whose log-probs are used, so KL(π‖π_ref), the KL "
+            "penalty and the ratio are off. Likely: %s. objective/kl_k3 (never negative) "
+            "is logged beside it.",
+            -z,
+            "; or ".join(causes),
         )
 
     def _watch(self, rollout: Rollout, metrics: dict, openers=None) -> dict[str, float]:
