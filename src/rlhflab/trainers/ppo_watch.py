@@ -1,4 +1,5 @@
-"""Steps 2b and 9b of a PPO iteration: the reward-hacking monitor's probe and its reaction.
+"""Steps 2b and 9b of a PPO iteration: the reward-hacking monitor's probe and its reaction,
+and step 9's check that the KL to the reference is not significantly negative.
 
 A mixin of :class:`rlhflab.trainers.ppo.PPOTrainer` (which owns the models, the monitor and
 the KL controller read here), kept apart so that ``ppo.py`` stays a short list of numbered
