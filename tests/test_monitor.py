@@ -1,5 +1,7 @@
 """Reward-hacking monitors and the HTML report."""
 
+import json
+
 import pytest
 import torch
 
@@ -177,3 +179,26 @@ def test_flattery_opener_ratio_is_a_ratio_of_means_and_alerts_above_threshold():
     assert "flattery_opener_ratio" in {a.signal for a in mon.check(2, sig)}
     sig = mon.signals(ro, metrics, openers=(ref, ref))
     assert "flattery_opener_ratio" not in {a.signal for a in mon.check(3, sig)}
+
+
+def test_report_shows_the_reward_models_checks_and_their_warning(tmp_path):
+    run, rm = tmp_path / "run", tmp_path / "rm"
+    run.mkdir()
+    rm.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"iteration": 1, "objective/kl": 0.1}) + "\n")
+    (run / "config.yaml").write_text(f"reward:\n  model: {rm}\n")
+    row = {
+        "accuracy": 0.84,
+        "calibration_error": 0.05,
+        "longer_preferred": 0.75,
+        "longer_preferred_by_labels": 0.73,
+        "score_length_corr": 0.64,
+    }
+    (rm / "rm_checks.json").write_text(
+        json.dumps({"preference": {**row, "score_length_corr": None}, "reward": row})
+    )
+    text = build_report(run).read_text()
+    assert "<h2>Reward model checks</h2>" in text and "<td>0.750</td>" in text
+    assert "prefers the longer answer in 75%" in text and "<td>-</td>" in text
+    (rm / "rm_checks.json").unlink()  # a reward model from before the checks: no section
+    assert "Reward model checks" not in build_report(run).read_text()

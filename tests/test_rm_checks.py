@@ -62,18 +62,6 @@ def test_longer_preferred_matches_loop_and_counts_ties_as_half():
     assert math.isnan(R.longer_preferred(torch.ones(3), same, same)[0])
 
 
-def test_pearson_matches_loop():
-    g = torch.Generator().manual_seed(2)
-    x, y = torch.randn(50, generator=g, dtype=torch.float64), torch.randn(50, generator=g)
-    y = y.double() + 0.5 * x
-    mx, my = sum(x.tolist()) / 50, sum(y.tolist()) / 50
-    cov = sum((a - mx) * (b - my) for a, b in zip(x.tolist(), y.tolist()))
-    vx = sum((a - mx) ** 2 for a in x.tolist())
-    vy = sum((b - my) ** 2 for b in y.tolist())
-    assert R.pearson(x, y) == pytest.approx(cov / math.sqrt(vx * vy), abs=1e-12)
-    assert math.isnan(R.pearson(torch.ones(5), y[:5]))
-
-
 def test_reward_checks_tell_a_length_loving_reward_from_its_labels():
     # labels: the chosen answer is better in every pair, and it is the longer one in half;
     # reward A scores by length alone, reward B agrees with the labels
@@ -115,10 +103,8 @@ def test_the_built_in_length_loving_annotator_shows_in_the_label_shares():
 
 
 def test_a_length_loving_reward_gets_a_warning_naming_both_shares():
-    from rlhflab.trainers.rm import length_warning
-
-    msg = length_warning({"longer_preferred": 0.75, "longer_preferred_by_labels": 0.73})
+    msg = R.length_warning({"longer_preferred": 0.75, "longer_preferred_by_labels": 0.73})
     assert "75%" in msg and "labels: 73%" in msg and "lengthen" in msg
-    assert length_warning({"longer_preferred": 0.27, "longer_preferred_by_labels": 0.25}) is None
-    assert length_warning({"longer_preferred": float("nan")}) is None
-    assert "labels" not in length_warning({"longer_preferred": 0.9})  # no preference head
+    assert R.length_warning({"longer_preferred": 0.27, "longer_preferred_by_labels": 0.25}) is None
+    assert R.length_warning({"longer_preferred": float("nan")}) is None
+    assert "labels" not in R.length_warning({"longer_preferred": 0.9})  # no preference head

@@ -114,7 +114,9 @@ def build_report(run_dir: str | Path) -> Path:
             "reward per head", _series(rows, "objective/scores", prefix="objective/scores/")
         ),
         line_chart("gold reward (monitor)", _series(rows, "monitor/gold")),
-        line_chart("KL to reference (nats/answer)", _series(rows, "objective/kl")),
+        line_chart(
+            "KL to reference (nats/answer)", _series(rows, "objective/kl", "objective/kl_k3")
+        ),
         line_chart("β (KL coefficient)", _series(rows, "objective/kl_coef")),
         line_chart(
             "answer length (tokens)", _series(rows, "response/length_mean", "response/length_max")
@@ -162,6 +164,7 @@ def build_report(run_dir: str | Path) -> Path:
                 ],
             )
         )
+    body.append(_reward_model_checks(config))
     body.append("<h2>Curves</h2><div class='g'>" + "".join(c for c in charts if c) + "</div>")
     body.append(
         "<h2>Alerts</h2>"
@@ -202,6 +205,40 @@ def _thresholds(config_text: str) -> dict[str, float]:
     out = {k: mon[k] for k in ADVICE if isinstance(mon.get(k), (int, float))}
     out["kl_excess"] = 1.0
     return out
+
+
+def _reward_model_checks(config_text: str) -> str:
+    """The held-out checks ``rlhflab rm`` wrote beside the run's reward model
+    (``reward.model``/rm_checks.json), as a table; '' where there are none."""
+    import yaml
+
+    try:
+        folder = ((yaml.safe_load(config_text) or {}).get("reward") or {}).get("model")
+    except yaml.YAMLError:
+        return ""
+    path = Path(folder) / "rm_checks.json" if folder else None
+    if path is None or not path.is_file():
+        return ""
+    from rlhflab.rm_checks import length_warning
+
+    checks = json.loads(path.read_text())
+    keys = ("accuracy", "calibration_error", "longer_preferred")
+    keys += ("longer_preferred_by_labels", "score_length_corr")
+
+    def cell(v) -> str:
+        return "-" if v is None else f"{v:.3f}"
+
+    table = _table(
+        ["reward", *keys],
+        [[name, *(cell(row.get(k)) for k in keys)] for name, row in checks.items()],
+    )
+    reward = {k: (float("nan") if v is None else v) for k, v in checks.get("reward", {}).items()}
+    warning = length_warning(reward) if "longer_preferred" in reward else None
+    note = f"<p><b>{html.escape(warning)}</b></p>" if warning else ""
+    return (
+        f"<h2>Reward model checks</h2><p class='m'>{html.escape(str(path))}, held-out pairs "
+        "(docs/ppo.md, 'Is the reward model any good?')</p>" + table + note
+    )
 
 
 def _summary_table(summary: dict) -> str:

@@ -15,7 +15,8 @@ things do, and users of other RLHF libraries keep asking how to see them
   longer answer higher, against the share where the label prefers it, and as the
   correlation between score and answer length.
 
-Pure functions: tensors in, numbers out, no model or config.
+Pure functions: tensors in, numbers out (and the warning text built from them), no model
+or config.
 """
 
 from __future__ import annotations
@@ -23,6 +24,15 @@ from __future__ import annotations
 import math
 
 import torch
+
+from rlhflab.monitor import pearson  # the monitor's: 0 for a constant sample
+
+# A warning when the reward PPO will optimise prefers the longer of two answers in more
+# than this share of held-out pairs (a coin is 0.5). A threshold, not a measured boundary:
+# on the demo's task the default annotator's reward model prefers the longer answer in
+# 0.24-0.27 of pairs, the `hacking` preset's 0.71-0.75 (its PPO runs lengthen their answers:
+# length_ratio alerts at iterations 15-25, docs/monitors.md)
+LONGER_PREFERRED_WARNING = 0.6
 
 
 def calibration_error(diff: torch.Tensor, outcome: torch.Tensor, bins: int = 10) -> float:
@@ -75,17 +85,6 @@ def longer_preferred(diff: torch.Tensor, len_chosen: torch.Tensor, len_rejected:
     return share.mean().item(), n
 
 
-def pearson(x: torch.Tensor, y: torch.Tensor) -> float:
-    """Pearson correlation of two (N,) samples; NaN when either is constant or N < 2."""
-    if x.shape != y.shape or x.dim() != 1:
-        raise ValueError(f"x {tuple(x.shape)} and y {tuple(y.shape)}: (N,) each")
-    if x.numel() < 2:
-        return math.nan
-    x, y = x.double() - x.double().mean(), y.double() - y.double().mean()
-    denom = (x.square().sum() * y.square().sum()).sqrt()
-    return (x * y).sum().div(denom).item() if denom > 0 else math.nan
-
-
 def reward_checks(
     chosen: torch.Tensor,
     rejected: torch.Tensor,
@@ -127,3 +126,19 @@ def reward_checks(
         pairs=int(decided.sum()),
     )
     return out
+
+
+def length_warning(reward: dict[str, float]) -> str | None:
+    """A warning when ``reward`` (the checks of what PPO will optimise) prefers the longer
+    answer in more than LONGER_PREFERRED_WARNING of held-out pairs; else None."""
+    share = reward["longer_preferred"]
+    if not share > LONGER_PREFERRED_WARNING:
+        return None
+    labels = reward.get("longer_preferred_by_labels", math.nan)
+    return (
+        f"the reward PPO will optimise (reward.heads) prefers the longer answer in "
+        f"{100 * share:.0f}% of held-out pairs of unequal length"
+        + ("" if math.isnan(labels) else f" (its preference labels: {100 * labels:.0f}%)")
+        + ": PPO against it is likely to lengthen its answers; watch response/length and "
+        "the monitor's length signals"
+    )

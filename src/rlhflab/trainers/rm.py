@@ -25,7 +25,7 @@ from rlhflab.config import Config, ConfigError
 from rlhflab.cpu_blas import apply_cpu_matmul
 from rlhflab.data import DataError, PreferencePair, load_preferences
 from rlhflab.lean import make_activations_lean
-from rlhflab.rm_checks import reward_checks
+from rlhflab.rm_checks import length_warning, reward_checks
 from rlhflab.trainers.common import (
     build_optimizer_simple,
     build_scheduler,
@@ -34,13 +34,6 @@ from rlhflab.trainers.common import (
 )
 
 log = logging.getLogger(__name__)
-
-# A warning when the reward PPO will optimise prefers the longer of two answers in more
-# than this share of held-out pairs (a coin is 0.5). A threshold, not a measured boundary:
-# on the demo's task the default annotator's reward model prefers the longer answer in
-# 0.24-0.27 of pairs, the `hacking` preset's 0.71-0.75 (its PPO runs lengthen their answers:
-# length_ratio alerts at iterations 15-25, docs/monitors.md)
-LONGER_PREFERRED_WARNING = 0.6
 
 
 def builtin_pairs(cfg: Config) -> list[PreferencePair]:
@@ -143,22 +136,6 @@ def heldout_checks(
     label = targets[:, heads.index("preference")] if "preference" in heads else None
     out["reward"] = reward_checks(chosen @ weights, rejected @ weights, label, *answer_len)
     return out
-
-
-def length_warning(reward: dict[str, float]) -> str | None:
-    """A warning when ``reward`` (the checks of what PPO will optimise) prefers the longer
-    answer in more than LONGER_PREFERRED_WARNING of held-out pairs; else None."""
-    share = reward["longer_preferred"]
-    if not share > LONGER_PREFERRED_WARNING:
-        return None
-    labels = reward.get("longer_preferred_by_labels", math.nan)
-    return (
-        f"the reward PPO will optimise (reward.heads) prefers the longer answer in "
-        f"{100 * share:.0f}% of held-out pairs of unequal length"
-        + ("" if math.isnan(labels) else f" (its preference labels: {100 * labels:.0f}%)")
-        + ": PPO against it is likely to lengthen its answers; watch response/length and "
-        "the monitor's length signals"
-    )
 
 
 def format_checks(checks: dict[str, dict[str, float]]) -> str:
