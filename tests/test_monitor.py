@@ -195,10 +195,17 @@ def test_report_shows_the_reward_models_checks_and_their_warning(tmp_path):
         "score_length_corr": 0.64,
     }
     (rm / "rm_checks.json").write_text(
-        json.dumps({"preference": {**row, "score_length_corr": None}, "reward": row})
+        json.dumps(
+            {
+                "preference": {**row, "score_length_corr": None},
+                "reward": row,
+                "reward_vs_gold": {**row, "accuracy": 0.5},
+            }
+        )
     )
     text = build_report(run).read_text()
     assert "<h2>Reward model checks</h2>" in text and "<td>0.750</td>" in text
     assert "prefers the longer answer in 75%" in text and "<td>-</td>" in text
+    assert "agrees with the gold reward on 50%" in text
     (rm / "rm_checks.json").unlink()  # a reward model from before the checks: no section
     assert "Reward model checks" not in build_report(run).read_text()

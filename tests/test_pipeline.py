@@ -124,6 +124,7 @@ def test_sft_rm_ppo_commands_chain(tmp_path, capsys, runtime):
                 f"model.runtime={runtime}",
                 "rm.steps=10",
                 "rm.pairs=100",
+                "monitor.gold=rlhflab.tasks:gold_reward",
                 f"rm.output_dir={rm}",
                 "log.progress=false",
             ]
@@ -134,7 +135,10 @@ def test_sft_rm_ppo_commands_chain(tmp_path, capsys, runtime):
     assert "held-out pairwise accuracy: preference" in out
     assert "held-out checks" in out and "\nreward " in out
     checks = json.loads((rm / "rm_checks.json").read_text())
-    assert set(checks) == {"preference", "correctness", "brevity", "politeness", "reward"}
+    assert set(checks) == {"preference", "correctness", "brevity", "politeness", "reward"} | {
+        "reward_vs_gold"
+    }
+    assert checks["reward_vs_gold"]["pairs"] > 0  # pairs the gold reward does not tie
     assert 0 <= checks["preference"]["calibration_error"] <= 0.5
     assert (
         main(

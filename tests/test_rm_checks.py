@@ -108,3 +108,10 @@ def test_a_length_loving_reward_gets_a_warning_naming_both_shares():
     assert R.length_warning({"longer_preferred": 0.27, "longer_preferred_by_labels": 0.25}) is None
     assert R.length_warning({"longer_preferred": float("nan")}) is None
     assert "labels" not in R.length_warning({"longer_preferred": 0.9})  # no preference head
+
+
+def test_a_reward_that_disagrees_with_gold_gets_a_warning():
+    msg = R.gold_warning({"accuracy": 0.51})
+    assert "51%" in msg and "gold" in msg
+    assert R.gold_warning({"accuracy": 0.84}) is None
+    assert R.gold_warning({}) is None  # no gold reward configured

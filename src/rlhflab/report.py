@@ -219,7 +219,7 @@ def _reward_model_checks(config_text: str) -> str:
     path = Path(folder) / "rm_checks.json" if folder else None
     if path is None or not path.is_file():
         return ""
-    from rlhflab.rm_checks import length_warning
+    from rlhflab.rm_checks import gold_warning, length_warning
 
     checks = json.loads(path.read_text())
     keys = ("accuracy", "calibration_error", "longer_preferred")
@@ -232,9 +232,16 @@ def _reward_model_checks(config_text: str) -> str:
         ["reward", *keys],
         [[name, *(cell(row.get(k)) for k in keys)] for name, row in checks.items()],
     )
-    reward = {k: (float("nan") if v is None else v) for k, v in checks.get("reward", {}).items()}
-    warning = length_warning(reward) if "longer_preferred" in reward else None
-    note = f"<p><b>{html.escape(warning)}</b></p>" if warning else ""
+
+    def numbers(row: str) -> dict:
+        return {k: (float("nan") if v is None else v) for k, v in checks.get(row, {}).items()}
+
+    reward = numbers("reward")
+    warnings = [
+        length_warning(reward) if "longer_preferred" in reward else None,
+        gold_warning(numbers("reward_vs_gold")),
+    ]
+    note = "".join(f"<p><b>{html.escape(w)}</b></p>" for w in warnings if w)
     return (
         f"<h2>Reward model checks</h2><p class='m'>{html.escape(str(path))}, held-out pairs "
         "(docs/ppo.md, 'Is the reward model any good?')</p>" + table + note

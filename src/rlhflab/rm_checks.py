@@ -33,6 +33,10 @@ from rlhflab.monitor import pearson  # the monitor's: 0 for a constant sample
 # 0.24-0.27 of pairs, the `hacking` preset's 0.71-0.75 (its PPO runs lengthen their answers:
 # length_ratio alerts at iterations 15-25, docs/monitors.md)
 LONGER_PREFERRED_WARNING = 0.6
+# A warning when the reward agrees with a gold reward on fewer held-out pairs than this
+# (chance is 0.5). Also a threshold: on the demo's task the default annotator's reward
+# agrees on 0.83-0.85 of pairs, the `hacking` preset's on 0.48-0.51
+GOLD_AGREEMENT_WARNING = 0.65
 
 
 def calibration_error(diff: torch.Tensor, outcome: torch.Tensor, bins: int = 10) -> float:
@@ -141,4 +145,17 @@ def length_warning(reward: dict[str, float]) -> str | None:
         + ("" if math.isnan(labels) else f" (its preference labels: {100 * labels:.0f}%)")
         + ": PPO against it is likely to lengthen its answers; watch response/length and "
         "the monitor's length signals"
+    )
+
+
+def gold_warning(reward_vs_gold: dict[str, float]) -> str | None:
+    """A warning when the reward (its checks against a gold reward's choices) agrees with
+    the gold reward on fewer than GOLD_AGREEMENT_WARNING of held-out pairs; else None."""
+    agreement = reward_vs_gold.get("accuracy", math.nan)
+    if not agreement < GOLD_AGREEMENT_WARNING:
+        return None
+    return (
+        f"the reward PPO will optimise agrees with the gold reward on {100 * agreement:.0f}% "
+        "of held-out pairs (chance: 50%): PPO against it can raise the proxy score while the "
+        "gold reward stalls or falls; watch monitor/gold and the gold_drop alert"
     )

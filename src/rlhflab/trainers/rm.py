@@ -25,7 +25,8 @@ from rlhflab.config import Config, ConfigError
 from rlhflab.cpu_blas import apply_cpu_matmul
 from rlhflab.data import DataError, PreferencePair, load_preferences
 from rlhflab.lean import make_activations_lean
-from rlhflab.rm_checks import length_warning, reward_checks
+from rlhflab.rewards import FunctionReward, RewardBatch
+from rlhflab.rm_checks import gold_warning, length_warning, reward_checks
 from rlhflab.trainers.common import (
     build_optimizer_simple,
     build_scheduler,
@@ -117,11 +118,20 @@ def heldout_scores(model, tokenizer, pairs, device, batch=64):
 
 
 def heldout_checks(
-    chosen, rejected, targets, heads: list[str], tokenizer, pairs, reward_heads: dict
+    chosen,
+    rejected,
+    targets,
+    heads: list[str],
+    tokenizer,
+    pairs,
+    reward_heads: dict,
+    gold: str | None = None,
 ) -> dict[str, dict[str, float]]:
     """rm_checks.reward_checks per head, and for ``reward`` — the heads' weighted sum with
     ``reward_heads`` (reward.heads: what PPO will optimise; every head at 1 when empty),
-    checked against the ``preference`` labels where that head exists."""
+    checked against the ``preference`` labels where that head exists. With ``gold``
+    (monitor.gold, 'module:function'), also ``reward_vs_gold``: the same sum checked
+    against which answer of each pair the gold reward scores higher."""
     answer_len = [
         torch.tensor(
             [len(tokenizer(getattr(p, side), add_special_tokens=False)["input_ids"]) for p in pairs]
@@ -135,6 +145,16 @@ def heldout_checks(
     weights = torch.tensor([reward_heads.get(h, 0.0) if reward_heads else 1.0 for h in heads])
     label = targets[:, heads.index("preference")] if "preference" in heads else None
     out["reward"] = reward_checks(chosen @ weights, rejected @ weights, label, *answer_len)
+    if gold:
+        fn, prompts = FunctionReward(gold), [p.prompt for p in pairs]
+        gc, gr = (
+            sum(fn(RewardBatch(prompts, [getattr(p, side) for p in pairs])).values()).double()
+            for side in ("chosen", "rejected")
+        )
+        gold_label = 0.5 + 0.5 * torch.sign(gc - gr)  # 1: chosen better by gold, 0.5: tie
+        out["reward_vs_gold"] = reward_checks(
+            chosen @ weights, rejected @ weights, gold_label.float(), *answer_len
+        )
     return out
 
 
@@ -148,12 +168,12 @@ def format_checks(checks: dict[str, dict[str, float]]) -> str:
     keys = ("accuracy", "calibration_error", "longer_preferred", "longer_preferred_by_labels")
     lines = [
         "held-out checks (rm_checks.json; docs/ppo.md, 'Is the reward model any good?'):",
-        f"{'reward':<12}{'accuracy':>9}{'ECE':>9}{'longer:rm':>10}{'labels':>9}{'r(len)':>9}",
+        f"{'reward':<15}{'accuracy':>9}{'ECE':>9}{'longer:rm':>10}{'labels':>9}{'r(len)':>9}",
     ]
     for name, row in checks.items():
         cells = "".join(cell(row, k) for k in keys[:2])
         cells += " " + cell(row, keys[2]) + cell(row, keys[3]) + cell(row, "score_length_corr")
-        lines.append(f"{name:<12}{cells}")
+        lines.append(f"{name:<15}{cells}")
     return "\n".join(lines)
 
 
@@ -222,6 +242,7 @@ def train_rm(cfg: Config) -> dict:
         tokenizer,
         held,
         dict(cfg.reward.heads or {}),
+        cfg.monitor.gold,
     )
     accuracy = {h: checks[h]["accuracy"] for h in heads if checks[h]["pairs"]}
     out = Path(r.output_dir)
@@ -248,7 +269,10 @@ def train_rm(cfg: Config) -> dict:
         {k: round(v, 3) for k, v in accuracy.items()},
         out,
     )
-    warning = length_warning(checks["reward"])
-    if warning:
-        log.warning("%s", warning)
+    for warning in (
+        length_warning(checks["reward"]),
+        gold_warning(checks.get("reward_vs_gold", {})),
+    ):
+        if warning:
+            log.warning("%s", warning)
     return result
