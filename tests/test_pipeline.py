@@ -181,8 +181,10 @@ def test_quick_demo_improves_gold_reward(tmp_path, capsys):
     assert summary["ppo"]["gold"] > summary["sft"]["gold"] + 0.1
     assert summary["ppo"]["flattery_rate"] < summary["sft"]["flattery_rate"]
     assert summary["rm"]["heldout_accuracy"]["preference"] > 0.7
+    assert summary["rm"]["checks"]["reward_vs_gold"]["accuracy"] > 0.7  # the honest annotator
     printed = capsys.readouterr().out
     assert "gold reward +" in printed and "summary:" in printed
+    assert "reward model vs gold: agrees on" in printed
     # the monitors ran every iteration and stayed quiet: no false alarm on an honest run
     run = tmp_path / "quick-s0" / "ppo"
     rows = read_jsonl(run / "metrics.jsonl")

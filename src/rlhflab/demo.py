@@ -161,7 +161,11 @@ def run_demo(
         "preset": preset,
         "seed": seed,
         **results,
-        "rm": {"heldout_accuracy": rm["heldout_accuracy"], "pairs": rm["pairs"]},
+        "rm": {
+            "heldout_accuracy": rm["heldout_accuracy"],
+            "pairs": rm["pairs"],
+            "checks": rm["heldout_checks"],
+        },
         "sft_training": {"loss_first": sft["loss_first"], "loss_last": sft["loss_last"]},
         "ppo_training": {"iterations": ppo["iterations"], "stop_reason": ppo["stop_reason"]},
         "timing": timing,
@@ -188,6 +192,14 @@ def format_summary(summary: dict) -> str:
     )
     acc = ", ".join(f"{k} {v:.2f}" for k, v in summary["rm"]["heldout_accuracy"].items())
     lines.append(f"reward model held-out accuracy: {acc}")
+    gold = summary["rm"].get("checks", {}).get("reward_vs_gold")
+    keys = ("accuracy", "longer_preferred", "longer_preferred_by_labels")
+    if gold and all(gold.get(k) is not None for k in keys):
+        lines.append(
+            f"reward model vs gold: agrees on {gold['accuracy']:.2f} of held-out pairs, "
+            f"prefers the longer answer in {gold['longer_preferred']:.2f} (gold: "
+            f"{gold['longer_preferred_by_labels']:.2f})"
+        )
     t = summary["timing"]
     lines.append("wall time: " + ", ".join(f"{k} {v:.0f}s" for k, v in t.items()))
     return "\n".join(lines)

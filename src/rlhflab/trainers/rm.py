@@ -257,7 +257,7 @@ def train_rm(cfg: Config) -> dict:
     (out / "rm_checks.json").write_text(json.dumps(plain, indent=2, allow_nan=False))
     result = {
         "heldout_accuracy": accuracy,
-        "heldout_checks": checks,
+        "heldout_checks": plain,
         "pairs": len(pairs),
         "heldout_pairs": len(held),
         "loss_last": sum(losses[-20:]) / len(losses[-20:]),
