@@ -2,6 +2,7 @@
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -239,3 +240,19 @@ def test_a_bad_data_file_is_reported_before_any_model_is_loaded(
     args = [command, "--config", "examples/tiny_ppo.yaml", f"{field}={bad}", *extra]
     assert main([*args, f"log.output_dir={tmp_path / 'run'}"]) == 2
     assert "bad.jsonl:1: not valid JSON" in capsys.readouterr().err
+
+
+def test_rm_check_checks_a_model_it_did_not_train(tmp_path, capsys, nano_rm):
+    # the three-head fixture model, untrained: heads named after the pairs' labels get them
+    out = tmp_path / "check"
+    args = ["rm", "--check", "model.policy=preset:nano", f"reward.model={nano_rm}"]
+    assert main([*args, "rm.pairs=60", f"log.output_dir={out}"]) == 0
+    printed = capsys.readouterr().out
+    assert "held-out checks" in printed and "written to" in printed
+    checks = json.loads((out / "rm_checks.json").read_text())
+    assert set(checks) == {"correctness", "brevity", "politeness", "reward"}
+    assert checks["brevity"]["pairs"] > 0 and 0 <= checks["brevity"]["accuracy"] <= 1
+    assert not (Path(nano_rm) / "rm_checks.json").exists()  # the checked folder is untouched
+    # without reward.model there is nothing to check: one clear line, status 2
+    assert main(["rm", "--check", f"log.output_dir={out}"]) == 2
+    assert "set reward.model" in capsys.readouterr().err

@@ -115,3 +115,17 @@ def test_a_reward_that_disagrees_with_gold_gets_a_warning():
     assert "51%" in msg and "gold" in msg
     assert R.gold_warning({"accuracy": 0.84}) is None
     assert R.gold_warning({}) is None  # no gold reward configured
+
+
+def test_a_model_made_elsewhere_gets_the_labels_it_can_have():
+    from rlhflab.configbase import ConfigError
+    from rlhflab.data import PreferencePair
+    from rlhflab.trainers.rm import head_targets
+
+    pairs = [PreferencePair("p", "a", "b", {"brevity": 0.0}), PreferencePair("p", "c", "d", {})]
+    # a single-head model (an HF reward model's LABEL_0): the pair order is its label
+    assert head_targets(pairs, ["LABEL_0"], "x", strict=False).tolist() == [[1.0], [1.0]]
+    two = head_targets(pairs, ["brevity", "helpful"], "x", strict=False)
+    assert two[0, 0] == 0.0 and two[:, 1].isnan().all() and two[1, 0].isnan()
+    with pytest.raises(ConfigError, match="no pair in x has a label for head 'helpful'"):
+        head_targets(pairs, ["brevity", "helpful"], "x")  # training needs every head's labels

@@ -37,7 +37,14 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(sub.add_parser("memory", help="bytes of each model in the configured cast"))
     sub.add_parser("config", help="print every PPO config field with its default and why")
     _config_args(sub.add_parser("sft", help="supervised fine-tuning on response tokens"))
-    _config_args(sub.add_parser("rm", help="Bradley-Terry reward-model training"))
+    rm = sub.add_parser("rm", help="Bradley-Terry reward-model training")
+    _config_args(rm)
+    rm.add_argument(
+        "--check",
+        action="store_true",
+        help="only check the reward model at reward.model on held-out pairs (no training); "
+        "writes log.output_dir/rm_checks.json",
+    )
     demo = sub.add_parser("demo", help="SFT → RM → PPO on the built-in task, then evaluate")
     from rlhflab.demo import PRESETS
 
@@ -138,9 +145,14 @@ def cmd_sft(args) -> int:
 
 def cmd_rm(args) -> int:
     from rlhflab.config import load_config
-    from rlhflab.trainers.rm import format_checks, train_rm
+    from rlhflab.trainers.rm import check_reward_model, format_checks, train_rm
 
-    result = train_rm(load_config(args.config, args.overrides, stage="rm"))
+    cfg = load_config(args.config, args.overrides, stage="rm")
+    if args.check:
+        print(format_checks(check_reward_model(cfg)))
+        print(f"written to {os.path.join(cfg.log.output_dir, 'rm_checks.json')}")
+        return 0
+    result = train_rm(cfg)
     acc = ", ".join(f"{k} {v:.3f}" for k, v in result["heldout_accuracy"].items())
     print(f"held-out pairwise accuracy: {acc}; model saved to {result['output_dir']}")
     print(format_checks(result["heldout_checks"]))

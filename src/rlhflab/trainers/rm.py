@@ -58,17 +58,22 @@ def builtin_pairs(cfg: Config) -> list[PreferencePair]:
     return pairs
 
 
-def head_targets(pairs: list[PreferencePair], heads: list[str], where: str) -> torch.Tensor:
-    """(N, K) labels in [0, 1], NaN where a pair has no label for a head."""
+def head_targets(
+    pairs: list[PreferencePair], heads: list[str], where: str, strict: bool = True
+) -> torch.Tensor:
+    """(N, K) labels in [0, 1], NaN where a pair has no label for a head. ``preference``
+    takes the pair order (chosen ≻ rejected: 1). ``strict`` (training): a head no pair
+    has a label for is an error; otherwise (checking a model made elsewhere) the only head
+    of a single-head model takes the pair order too, and an unlabelled head stays NaN."""
     out = torch.full((len(pairs), len(heads)), float("nan"))
     for i, p in enumerate(pairs):
         for k, h in enumerate(heads):
-            if h == "preference":
+            if h == "preference" or (not strict and len(heads) == 1):
                 out[i, k] = 1.0
             elif h in p.labels:
                 out[i, k] = float(p.labels[h])
     for k, h in enumerate(heads):
-        if torch.isnan(out[:, k]).all():
+        if strict and torch.isnan(out[:, k]).all():
             raise ConfigError(f"rm.heads: no pair in {where} has a label for head '{h}'")
     return out
 
@@ -158,6 +163,71 @@ def heldout_checks(
     return out
 
 
+def split_pairs(pairs: list[PreferencePair], cfg: Config):
+    """(held-out, training) pairs: the pairs shuffled with ``seed``, the first
+    ``rm.heldout_fraction`` (at least one) held out — the same split for training and for
+    ``rlhflab rm --check``."""
+    pairs = list(pairs)
+    random.Random(cfg.seed).shuffle(pairs)
+    n_held = max(1, int(len(pairs) * cfg.rm.heldout_fraction))
+    return pairs[:n_held], pairs[n_held:]
+
+
+def write_checks(checks: dict, folder: Path) -> dict:
+    """Write ``folder``/rm_checks.json; return the checks with NaN (a check with no pair to
+    count) as None, as written: strict JSON, for any reader."""
+    plain = {
+        name: {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in row.items()}
+        for name, row in checks.items()
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "rm_checks.json").write_text(json.dumps(plain, indent=2, allow_nan=False))
+    return plain
+
+
+def warn_about(checks: dict) -> None:
+    for warning in (
+        length_warning(checks["reward"]),
+        gold_warning(checks.get("reward_vs_gold", {})),
+    ):
+        if warning:
+            log.warning("%s", warning)
+
+
+def check_reward_model(cfg: Config) -> dict:
+    """``rlhflab rm --check``: the held-out checks of an existing reward model
+    (``reward.model``, any sequence-classification folder), without training it.
+
+    Pairs: ``rm.data`` or the built-in ones, split as training splits them. Labels: a head
+    named ``preference`` — or the one head of a single-head model — takes the pair order
+    (chosen ≻ rejected); any other head takes the pairs' label of its name where they have
+    one. Writes ``log.output_dir``/rm_checks.json; returns the checks (NaN as None).
+    """
+    if not cfg.reward.model:
+        raise ConfigError("rm --check: set reward.model to the reward model folder to check")
+    pairs = load_preferences(cfg.rm.data) if cfg.rm.data else None
+    device = torch.device("cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu")
+    mc = cfg.model
+    path = M.resolve_path(cfg.reward.model, "reward.model")
+    tokenizer = M.load_tokenizer(path, mc.trust_remote_code, runtime=mc.runtime)
+    model = M.load_sequence_classifier(path, tokenizer, mc.trust_remote_code, runtime=mc.runtime)
+    model = model.to(device).eval()
+    heads = [model.config.id2label[i] for i in range(model.config.num_labels)]
+    held, _ = split_pairs(pairs if pairs is not None else builtin_pairs(cfg), cfg)
+    targets = head_targets(held, heads, cfg.rm.data or "the built-in pairs", strict=False)
+    checks = heldout_checks(
+        *heldout_scores(model, tokenizer, held, device),
+        targets,
+        heads,
+        tokenizer,
+        held,
+        dict(cfg.reward.heads or {}),
+        cfg.monitor.gold,
+    )
+    warn_about(checks)
+    return write_checks(checks, Path(cfg.log.output_dir))
+
+
 def format_checks(checks: dict[str, dict[str, float]]) -> str:
     """The held-out checks as a small table (``rlhflab rm`` prints it)."""
 
@@ -207,11 +277,9 @@ def train_rm(cfg: Config) -> dict:
     if pairs is None:
         pairs = builtin_pairs(cfg)
     where = r.data or "the built-in pairs"
-    random.Random(cfg.seed).shuffle(pairs)
-    n_held = max(1, int(len(pairs) * r.heldout_fraction))
-    held, train = pairs[:n_held], pairs[n_held:]
+    held, train = split_pairs(pairs, cfg)
     if not train:
-        raise DataError(f"{where}: too few pairs to hold out {n_held} and still train")
+        raise DataError(f"{where}: too few pairs to hold out {len(held)} and still train")
     train_t, held_t = head_targets(train, heads, where), head_targets(held, heads, where)
     weights = [r.heads[h] for h in heads]
     opt = build_optimizer_simple(model.parameters(), r.lr)
@@ -249,12 +317,7 @@ def train_rm(cfg: Config) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    # NaN (a check with no pair to count) as null: strict JSON, for any reader
-    plain = {
-        name: {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in row.items()}
-        for name, row in checks.items()
-    }
-    (out / "rm_checks.json").write_text(json.dumps(plain, indent=2, allow_nan=False))
+    plain = write_checks(checks, out)
     result = {
         "heldout_accuracy": accuracy,
         "heldout_checks": plain,
@@ -269,10 +332,5 @@ def train_rm(cfg: Config) -> dict:
         {k: round(v, 3) for k, v in accuracy.items()},
         out,
     )
-    for warning in (
-        length_warning(checks["reward"]),
-        gold_warning(checks.get("reward_vs_gold", {})),
-    ):
-        if warning:
-            log.warning("%s", warning)
+    warn_about(checks)
     return result
