@@ -163,6 +163,14 @@ def heldout_checks(
     return out
 
 
+def check_heldout(model, tokenizer, held, targets, heads, cfg: Config, device) -> dict:
+    """heldout_checks on the model's scores of ``held``, with the config's reward.heads
+    weights and monitor.gold."""
+    scores = heldout_scores(model, tokenizer, held, device)
+    reward_heads = dict(cfg.reward.heads or {})
+    return heldout_checks(*scores, targets, heads, tokenizer, held, reward_heads, cfg.monitor.gold)
+
+
 def split_pairs(pairs: list[PreferencePair], cfg: Config):
     """(held-out, training) pairs: the pairs shuffled with ``seed``, the first
     ``rm.heldout_fraction`` (at least one) held out — the same split for training and for
@@ -215,15 +223,7 @@ def check_reward_model(cfg: Config) -> dict:
     heads = [model.config.id2label[i] for i in range(model.config.num_labels)]
     held, _ = split_pairs(pairs if pairs is not None else builtin_pairs(cfg), cfg)
     targets = head_targets(held, heads, cfg.rm.data or "the built-in pairs", strict=False)
-    checks = heldout_checks(
-        *heldout_scores(model, tokenizer, held, device),
-        targets,
-        heads,
-        tokenizer,
-        held,
-        dict(cfg.reward.heads or {}),
-        cfg.monitor.gold,
-    )
+    checks = check_heldout(model, tokenizer, held, targets, heads, cfg, device)
     warn_about(checks)
     return write_checks(checks, Path(cfg.log.output_dir))
 
@@ -303,15 +303,7 @@ def train_rm(cfg: Config) -> dict:
         losses.append(supervised_step(model, opt, sched, loss))
         if hasattr(bar, "set_postfix") and step % 10 == 0:
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
-    checks = heldout_checks(
-        *heldout_scores(model, tokenizer, held, device),
-        held_t,
-        heads,
-        tokenizer,
-        held,
-        dict(cfg.reward.heads or {}),
-        cfg.monitor.gold,
-    )
+    checks = check_heldout(model, tokenizer, held, held_t, heads, cfg, device)
     accuracy = {h: checks[h]["accuracy"] for h in heads if checks[h]["pairs"]}
     out = Path(r.output_dir)
     out.mkdir(parents=True, exist_ok=True)
