@@ -81,10 +81,14 @@ if __name__ == "__main__":
         ppo_module.generate_rollout = fixed_rollout
         t = PPOTrainer(config(out + "-run", *sys.argv[3:]))
         t.fit()
+        from rlhflab.distributed import full_state_dict
+
+        # sharded (fsdp): gathered into plain tensors, a collective of every rank
+        policy = full_state_dict(t.cast.policy, t.ctx, t.cfg.dist.strategy)
         if t.ctx.is_main:
-            torch.save(
-                {"policy": t.cast.policy.state_dict(), "critic": t.cast.critic.state_dict()}, out
-            )
+            critic = t.cast.critic.state_dict() if t.cast.critic is not None else {}
+            policy = policy if policy is not None else t.cast.policy.state_dict()
+            torch.save({"policy": policy, "critic": critic}, out)
     elif mode == "grpo":
         from rlhflab.trainers.grpo import GRPOTrainer
 

@@ -99,18 +99,38 @@ def _untimed(row: dict) -> dict:
 def _assert_same_checkpoint(a: Path, b: Path) -> None:
     from safetensors.torch import load_file
 
-    for folder in ("policy", "critic"):
-        wa, wb = (
-            load_file(a / folder / "model.safetensors"),
-            load_file(b / folder / "model.safetensors"),
-        )
-        assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), folder
+    files = sorted(f.relative_to(a) for f in a.rglob("*.safetensors"))
+    assert files and files == sorted(f.relative_to(b) for f in b.rglob("*.safetensors"))
+    for f in files:
+        wa, wb = load_file(a / f), load_file(b / f)
+        assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), f
     oa = torch.load(a / "optimizer.pt", weights_only=True)
     ob = torch.load(b / "optimizer.pt", weights_only=True)
     flat = lambda x: torch.utils._pytree.tree_leaves(x)  # noqa: E731
     assert len(flat(oa)) == len(flat(ob)) > 0
     for x, y in zip(flat(oa), flat(ob)):
         assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+
+
+@pytest.mark.parametrize("runtime", ["transformers", "native"])
+def test_a_shared_backbone_under_fsdp_trains_as_on_one_rank_and_resumes(tmp_path, runtime):
+    # sampling calls the language model and scoring the backbone without the root's
+    # forward: both must find their parameters gathered (they met them sharded until
+    # 2026-12-05, "aten.embedding got mixed torch.Tensor and DTensor")
+    over = ("model.value_model=shared", "dist.strategy=fsdp", f"model.runtime={runtime}")
+    one, two = tmp_path / "one.pt", tmp_path / "two.pt"
+    torchrun(1, "equiv", str(one), *over)
+    torchrun(2, "equiv", str(two), *over)
+    a, b = torch.load(one)["policy"], torch.load(two)["policy"]
+    assert any(k.startswith("value_head.") for k in a)
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+    run, straight = tmp_path / "run", tmp_path / "straight"
+    torchrun(2, "run", str(run), *over, "ppo.iterations=2")
+    torchrun(2, "run", str(run), *over, "ppo.iterations=3")
+    torchrun(2, "run", str(straight), *over, "ppo.iterations=3")
+    step3 = run / "checkpoints" / "step-3"
+    assert (step3 / "value_head.safetensors").exists()
+    _assert_same_checkpoint(step3, straight / "checkpoints" / "step-3")
 
 
 def test_numpy_matmul_under_fsdp(tmp_path):

@@ -128,8 +128,17 @@ def decoder_layers(module: nn.Module) -> list[nn.Module]:
 
 
 def shard(module: nn.Module, mixed_precision: str = "none") -> nn.Module:
-    """FSDP2: shard every decoder layer, then the root (which keeps embeddings and heads)."""
+    """FSDP2: shard every decoder layer, then the root (which keeps embeddings and heads).
+
+    A shared-backbone policy (PolicyWithValueHead) also gets its backbone and vocabulary
+    head sharded as one unit of their own, between the layers and the root: sampling and
+    scoring call them directly, not through the root's forward, and only a unit's own
+    forward gathers its parameters (with the embeddings in the root's unit, sampling met
+    them still sharded — "aten.embedding got mixed torch.Tensor and DTensor" — until
+    2026-12-05)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from rlhflab.models import PolicyWithValueHead
 
     dtypes = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
     mp = MixedPrecisionPolicy(
@@ -138,7 +147,18 @@ def shard(module: nn.Module, mixed_precision: str = "none") -> nn.Module:
     )
     for layer in decoder_layers(module):
         fully_shard(layer, mp_policy=mp)
+    shared = isinstance(module, PolicyWithValueHead)
+    if shared:
+        # the backbone (embeddings, layers, final norm) and the vocabulary head as one
+        # unit (a tied head shares the embeddings' parameter): sampling runs the language
+        # model and scoring the backbone, neither through the root's forward
+        fully_shard([module.lm.base_model, module.lm.get_output_embeddings()], mp_policy=mp)
     fully_shard(module, mp_policy=mp)
+    if shared:
+        # FSDP2 takes the first unit to run a forward as the root; sampling's direct call
+        # of the language model would make it the root and the policy's own forward would
+        # then fail, so the policy is made the root now (torch has no public call for it)
+        module._get_fsdp_state()._lazy_init()
     return module
 
 
