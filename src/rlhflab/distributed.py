@@ -157,8 +157,15 @@ def shard(module: nn.Module, mixed_precision: str = "none") -> nn.Module:
     if shared:
         # FSDP2 takes the first unit to run a forward as the root; sampling's direct call
         # of the language model would make it the root and the policy's own forward would
-        # then fail, so the policy is made the root now (torch has no public call for it)
-        module._get_fsdp_state()._lazy_init()
+        # then fail (tests/test_distributed.py fails without this), so the policy is made
+        # the root now; torch 2.13 has no public call for it
+        state = getattr(module, "_get_fsdp_state", None)
+        if state is None:
+            raise RuntimeError(
+                "dist.strategy=fsdp with model.value_model=shared: this torch's FSDP2 has no "
+                "_get_fsdp_state(); use dist.strategy=ddp or a separate critic"
+            )
+        state()._lazy_init()
     return module
 
 
