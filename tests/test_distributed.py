@@ -133,6 +133,16 @@ def test_a_shared_backbone_under_fsdp_trains_as_on_one_rank_and_resumes(tmp_path
     _assert_same_checkpoint(step3, straight / "checkpoints" / "step-3")
 
 
+def test_a_sharded_reference_scores_and_samples(tmp_path):
+    # dist.shard_reference: the frozen reference sharded too, called for its log-probs and,
+    # with monitor.reference_every, to sample the monitor's reference answers
+    run = tmp_path / "ref"
+    over = ("dist.strategy=fsdp", "dist.shard_reference=true", "monitor.reference_every=1")
+    torchrun(2, "run", str(run), *over, "ppo.iterations=2")
+    rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all("monitor/length_ratio" in r for r in rows)
+
+
 def test_numpy_matmul_under_fsdp(tmp_path):
     # FSDP2 resizes the gathered weights' storages, which numpy's products must leave alone
     run = tmp_path / "numpy"
