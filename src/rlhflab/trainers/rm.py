@@ -213,8 +213,10 @@ def check_reward_model(cfg: Config) -> dict:
     """
     if not cfg.reward.model:
         raise ConfigError("rm --check: set reward.model to the reward model folder to check")
+    from rlhflab.cast import resolve_device
+
     pairs = load_preferences(cfg.rm.data) if cfg.rm.data else None
-    device = torch.device("cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu")
+    device = resolve_device(cfg.device)
     mc = cfg.model
     path = M.resolve_path(cfg.reward.model, "reward.model")
     tokenizer = M.load_tokenizer(path, mc.trust_remote_code, runtime=mc.runtime)
