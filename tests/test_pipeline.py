@@ -242,6 +242,24 @@ def test_a_bad_data_file_is_reported_before_any_model_is_loaded(
     assert "bad.jsonl:1: not valid JSON" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["sft", "rm", "dpo", "ppo", "rm --check"])
+def test_device_cuda_without_a_gpu_is_an_error_not_a_quiet_cpu_run(
+    tmp_path, monkeypatch, capsys, command
+):
+    # SFT, RM and DPO used to fall back to the CPU without a word where PPO refused
+    def no_model(*a, **k):
+        raise AssertionError("a model was loaded before the device was checked")
+
+    for loader in ("load_causal_lm", "load_sequence_classifier"):
+        monkeypatch.setattr(M, loader, no_model)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = [*command.split(), "--config", "examples/tiny_ppo.yaml", "device=cuda"]
+    args += [f"log.output_dir={tmp_path / 'run'}", "reward.model=preset:nano"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "device: 'cuda' was asked for but torch sees no CUDA device" in err, err
+
+
 def test_rm_check_checks_a_model_it_did_not_train(tmp_path, capsys, nano_rm):
     # the three-head fixture model, untrained: heads named after the pairs' labels get them
     out = tmp_path / "check"

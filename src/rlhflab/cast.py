@@ -17,18 +17,11 @@ from torch import nn
 from rlhflab import models as M
 from rlhflab.config import Config
 from rlhflab.cpu_blas import apply_cpu_matmul
+from rlhflab.distributed import resolve_device
 from rlhflab.lean import make_activations_lean
 from rlhflab.rewards import CompositeReward, FunctionReward, ModelReward
 
 log = logging.getLogger(__name__)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise M.ModelLoadError("device: 'cuda' requested but no CUDA device is available")
-    return torch.device(name)
 
 
 @dataclass

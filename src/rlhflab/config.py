@@ -563,7 +563,10 @@ class RMConfig:
 class Config:
     seed: int = setting(0, "Seed for sampling, shuffling and initialisation.")
     device: str = setting(
-        "auto", "'auto' (cuda when available), 'cpu' or 'cuda'.", choices=("auto", "cpu", "cuda")
+        "auto",
+        "'auto' (cuda when available, else cpu), 'cpu' or 'cuda'; 'cuda' on a machine "
+        "without one is an error in every command, not a quiet CPU run.",
+        choices=("auto", "cpu", "cuda"),
     )
     threads: int = setting(0, "torch CPU threads (0 = torch's default).", low=0)
     model: ModelConfig = section(ModelConfig, "The four-model cast.")

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from rlhflab.configbase import ConfigError
+
 
 @dataclass
 class DistContext:
@@ -74,11 +76,25 @@ class DistContext:
             dist.barrier()
 
 
+def resolve_device(name: str) -> torch.device:
+    """The project's one device rule, for every trainer: ``device`` 'auto' is CUDA when
+    there is one, else the CPU; 'cuda' with no CUDA device is an error, never a quiet CPU
+    run that would take hours where the user expected minutes."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            "device: 'cuda' was asked for but torch sees no CUDA device "
+            f"(torch {torch.__version__}); set device=cpu or device=auto"
+        )
+    return torch.device(name)
+
+
 def init_distributed(device_name: str = "auto") -> DistContext:
     """Join the process group torchrun set up (gloo on CPU, nccl on GPU); else world size 1."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    use_cuda = device_name == "cuda" or (device_name == "auto" and torch.cuda.is_available())
+    use_cuda = resolve_device(device_name).type == "cuda"
     device = torch.device(f"cuda:{local}") if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)

@@ -26,6 +26,7 @@ from rlhflab.config import Config
 from rlhflab.configbase import to_dict
 from rlhflab.cpu_blas import apply_cpu_matmul
 from rlhflab.data import load_preferences
+from rlhflab.distributed import resolve_device
 from rlhflab.lean import make_activations_lean
 from rlhflab.runlog import RunLog
 from rlhflab.trainers.common import (
@@ -59,9 +60,7 @@ class DPOTrainer:
         self.cfg, d = cfg, cfg.dpo
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
-        self.device = torch.device(
-            "cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu"
-        )
+        self.device = resolve_device(cfg.device)
         # a data file is read before the model is loaded: a bad row is reported in seconds
         pairs = load_preferences(d.data) if d.data else None
         path = M.resolve_path(cfg.model.policy, "model.policy")

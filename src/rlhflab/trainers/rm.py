@@ -24,6 +24,7 @@ from rlhflab import tasks
 from rlhflab.config import Config, ConfigError
 from rlhflab.cpu_blas import apply_cpu_matmul
 from rlhflab.data import DataError, PreferencePair, load_preferences
+from rlhflab.distributed import resolve_device
 from rlhflab.lean import make_activations_lean
 from rlhflab.rewards import FunctionReward, RewardBatch
 from rlhflab.rm_checks import gold_warning, length_warning, reward_checks
@@ -213,8 +214,6 @@ def check_reward_model(cfg: Config) -> dict:
     """
     if not cfg.reward.model:
         raise ConfigError("rm --check: set reward.model to the reward model folder to check")
-    from rlhflab.cast import resolve_device
-
     pairs = load_preferences(cfg.rm.data) if cfg.rm.data else None
     device = resolve_device(cfg.device)
     mc = cfg.model
@@ -252,7 +251,7 @@ def format_checks(checks: dict[str, dict[str, float]]) -> str:
 def train_rm(cfg: Config) -> dict:
     r = cfg.rm
     torch.manual_seed(cfg.seed)
-    device = torch.device("cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu")
+    device = resolve_device(cfg.device)
     heads = list(r.heads)
     if not heads:
         raise ConfigError("rm.heads: at least one head is needed")

@@ -19,6 +19,7 @@ from rlhflab import tasks
 from rlhflab.config import Config
 from rlhflab.cpu_blas import apply_cpu_matmul
 from rlhflab.data import DataError, iter_rows
+from rlhflab.distributed import resolve_device
 from rlhflab.lean import make_activations_lean
 from rlhflab.trainers.common import (
     build_optimizer_simple,
@@ -83,7 +84,7 @@ def response_nll(model, tokenizer, pairs, device) -> torch.Tensor:
 def train_sft(cfg: Config) -> dict:
     s = cfg.sft
     torch.manual_seed(cfg.seed)
-    device = torch.device("cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu")
+    device = resolve_device(cfg.device)
     # a data file is read before the model is loaded: a bad row is reported in seconds
     pairs = load_sft_pairs(s.data) if s.data else None
     path = M.resolve_path(cfg.model.policy, "model.policy")
