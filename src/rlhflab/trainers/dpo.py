@@ -1,6 +1,6 @@
 """DPO: the policy against the frozen reference on preference pairs (``rlhflab dpo``).
 
-No reward model and no sampling: the loss of :func:`rlhflab.algorithms.dpo_loss` on the
+No reward model and no sampling: the loss of :func:`rlhflab.losses.dpo_loss` on the
 summed log-probs of each answer. The reference's log-probs never change, so they are
 computed once, before training, and cached. Logged per step: the loss, the implicit rewards
 β·(log π − log π_ref) of chosen and rejected answers, their margin and the reward accuracy
@@ -21,6 +21,7 @@ import yaml
 
 from rlhflab import algorithms as A
 from rlhflab import checkpoint as C
+from rlhflab import losses as L
 from rlhflab import models as M
 from rlhflab.config import Config
 from rlhflab.configbase import to_dict
@@ -113,7 +114,7 @@ class DPOTrainer:
         pr = answer_logprobs(
             self.policy, self.tokenizer, prompts, [self.rejected[i] for i in pick], self.device
         )
-        losses, rc, rr = A.dpo_loss(
+        losses, rc, rr = L.dpo_loss(
             pc,
             pr,
             self.ref_chosen[idx],

@@ -15,6 +15,7 @@ import math
 import torch
 
 from rlhflab import algorithms as A
+from rlhflab import losses as L
 from rlhflab.distributed import accumulate
 from rlhflab.optim import UpdateInBackward
 from rlhflab.rollout import Rollout, answer_values, policy_outputs
@@ -140,7 +141,7 @@ class PPOEpochs:
             ro.old_logprobs[i] = lp.detach()
             ro.entropy[i] = ent.detach()
             self.reuse_filled[i] = True
-        pg, pg_stats = A.policy_loss(
+        pg, pg_stats = L.policy_loss(
             lp,
             ro.old_logprobs[i],
             advantages[i],
@@ -154,9 +155,9 @@ class PPOEpochs:
         loss = pg
         if p.kl_placement == "loss":
             kl = A.kl_estimate(lp, ro.ref_logprobs[i], p.kl_estimator)
-            loss = loss + beta * A.aggregate(kl, m, p.loss_agg, **agg)
+            loss = loss + beta * L.aggregate(kl, m, p.loss_agg, **agg)
         if p.entropy_coef > 0:
-            loss = loss - p.entropy_coef * A.aggregate(ent, m, p.loss_agg, **agg)
+            loss = loss - p.entropy_coef * L.aggregate(ent, m, p.loss_agg, **agg)
         vf, vf_stats = torch.zeros((), device=lp.device), {}
         if returns is not None and cast.shared:
             vf, vf_stats = self._value_loss(values, ro, i, m, returns, agg)
@@ -202,7 +203,7 @@ class PPOEpochs:
 
     def _value_loss(self, values, ro, i, m, returns, agg):
         p = self.cfg.ppo
-        return A.value_loss(values, ro.values[i], returns[i], m, p.value_clip, p.loss_agg, **agg)
+        return L.value_loss(values, ro.values[i], returns[i], m, p.value_clip, p.loss_agg, **agg)
 
     def _trainable(self):
         params = [q for q in self.cast.policy.parameters() if q.requires_grad]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from rlhflab import algorithms as A
+from rlhflab import losses as L
 from rlhflab import models as M
 from rlhflab import tasks
 from rlhflab.config import Config, ConfigError
@@ -101,7 +101,7 @@ def pair_loss(model, tokenizer, pairs, targets, weights, margin, device):
     for k in range(diff.shape[1]):
         has = ~torch.isnan(targets[:, k])
         if has.any():
-            loss_k = A.pairwise_reward_loss(
+            loss_k = L.pairwise_reward_loss(
                 scores[:n][has, k], scores[n:][has, k], margin, labels=targets[has, k].to(device)
             )
             total = total + weights[k] * loss_k
