@@ -356,6 +356,8 @@ def test_parquet_prompts_and_memory_command(tmp_path, capsys):
     )
     out = capsys.readouterr().out
     assert "policy" in out and "reference" in out and "measured peak" in out
+    assert "what one iteration adds" in out and "KV cache" in out
+    assert "policy + value head forward+backward" in out and "estimated peak" in out
 
 
 def test_a_significantly_negative_kl_is_explained_once_and_a_correct_run_never_warns(

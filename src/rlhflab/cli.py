@@ -34,7 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
         "installed, Linux only; it fragments less under PPO: docs/memory.md)",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    _config_args(sub.add_parser("memory", help="bytes of each model in the configured cast"))
+    _config_args(
+        sub.add_parser(
+            "memory", help="bytes of each model in the configured cast, and what one iteration adds"
+        )
+    )
     sub.add_parser("config", help="print every PPO config field with its default and why")
     _config_args(sub.add_parser("sft", help="supervised fine-tuning on response tokens"))
     rm = sub.add_parser("rm", help="Bradley-Terry reward-model training")
@@ -81,11 +85,19 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_memory(args) -> int:
     from rlhflab.cast import build_cast
     from rlhflab.config import load_config
-    from rlhflab.memory import cast_memory, format_table, peak_rss_bytes
+    from rlhflab.memory import (
+        cast_memory,
+        format_iteration,
+        format_table,
+        iteration_memory,
+        peak_rss_bytes,
+    )
 
     cfg = load_config(args.config, args.overrides)
     cast = build_cast(cfg)
-    print(format_table(cast_memory(cast), peak_rss_bytes()))
+    rows = cast_memory(cast)
+    print(format_table(rows, peak_rss_bytes()))
+    print(format_iteration(iteration_memory(cast, cfg), rows))
     return 0
 
 

@@ -1,0 +1,104 @@
+"""How close `rlhflab memory`'s estimate comes to what a real PPO iteration holds.
+
+For each preset and layout: the estimate (``memory.estimated_peak``: weights and AdamW
+moments, the gradients during the PPO epochs, plus the phases of
+``memory.iteration_memory``) against the most bytes of tensors a
+real iteration held at once — its second, once the moments exist — followed through
+torch's dispatcher (``memory._NewStorages``). Prompts are all ``rollout.max_prompt_tokens``
+long and EOS is ignored, so the run is the worst case the estimate plans for. Tensors only:
+a process's resident memory adds its libraries and its allocator's slack on top.
+
+    .venv/bin/python benchmarks/memory_estimate.py [--presets tiny small medium]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+
+from rlhflab import models as M
+from rlhflab.config import load_config
+from rlhflab.memory import _NewStorages, cast_memory, estimated_peak, iteration_memory
+from rlhflab.presets import preset_path
+from rlhflab.trainers.ppo import PPOTrainer
+
+LAYOUTS = {
+    "separate critic, 2 minibatches": [],
+    "separate critic, 1 minibatch": ["ppo.minibatches=1"],
+    "shared backbone": ["model.value_model=shared"],
+    "checkpointing, native": ["model.gradient_checkpointing=true", "model.runtime=native"],
+    "LoRA r=8": ["model.lora_r=8"],
+}
+MIB = 1024 * 1024
+
+
+def config(preset: str, folder: Path, overrides: list[str]):
+    prompt = "copy: apple banana cherry kiwi mango\nanswer:"
+    tok = M.load_tokenizer(preset_path(preset))
+    n_tokens = len(tok(prompt, add_special_tokens=False)["input_ids"])
+    (folder / "prompts.jsonl").write_text(json.dumps({"prompt": prompt}) + "\n")
+    base = {
+        "device": "cpu",
+        "model": {"policy": f"preset:{preset}", "value_model": "separate"},
+        "reward": {"functions": {"rlhflab.toy_rewards:vowel_reward": 1.0}},
+        "data": {"prompts": str(folder / "prompts.jsonl")},
+        "rollout": {
+            "prompts_per_iteration": 16,
+            "max_new_tokens": 32,
+            "max_prompt_tokens": n_tokens,
+            "ignore_eos": True,
+        },
+        "ppo": {"iterations": 2, "epochs": 2, "minibatches": 2},
+        "log": {"output_dir": str(folder / "run"), "progress": False},
+    }
+    return load_config(base=base, overrides=overrides)
+
+
+def held_between_iterations(trainer) -> int:
+    seen, total = set(), 0
+    for opt in (trainer.opt, trainer.critic_opt):
+        if opt is None:
+            continue
+        tensors = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
+        tensors += [q.grad for g in opt.param_groups for q in g["params"] if q.grad is not None]
+        for t in tensors:
+            if t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                total += t.untyped_storage().nbytes()
+    return total
+
+
+def measure(preset: str, overrides: list[str]) -> tuple[float, float, str]:
+    with tempfile.TemporaryDirectory() as d:
+        cfg = config(preset, Path(d), overrides)
+        trainer = PPOTrainer(cfg)
+        models = cast_memory(trainer.cast)
+        estimate, largest = estimated_peak(models, iteration_memory(trainer.cast, cfg))
+        trainer.step()
+        before = sum(m.weights for m in models) + held_between_iterations(trainer)
+        tracker = _NewStorages()
+        with tracker:
+            trainer.step()
+        return estimate / MIB, (before + tracker.peak) / MIB, largest
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--presets", nargs="+", default=["tiny", "small", "medium"])
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    print(f"{'preset':<8} {'layout':<32} {'estimate':>9} {'actual':>9} {'ratio':>6}  largest phase")
+    for preset in args.presets:
+        for name, overrides in LAYOUTS.items():
+            est, actual, largest = measure(preset, overrides)
+            print(
+                f"{preset:<8} {name:<32} {est:>9.1f} {actual:>9.1f} {est / actual:>6.2f}  {largest}"
+            )
+
+
+if __name__ == "__main__":
+    main()

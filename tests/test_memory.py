@@ -1,0 +1,170 @@
+"""`rlhflab memory`: what one iteration adds to the cast, against what the sampler and a
+real PPO iteration hold."""
+
+import json
+
+import pytest
+import torch
+
+from rlhflab import models as M
+from rlhflab.config import load_config
+from rlhflab.memory import (
+    _NewStorages,
+    cache_positions,
+    cast_memory,
+    estimated_peak,
+    forward_backward_bytes,
+    held_by,
+    iteration_memory,
+    kv_cache_bytes,
+)
+from rlhflab.presets import preset_path
+from rlhflab.sampling import cache_kwarg, sample
+
+KIB = 1024
+
+
+def test_held_by_counts_what_the_graph_keeps_not_views_or_in_place_results():
+    w = torch.nn.Linear(64, 64)  # 16 KiB of weight, not counted: made before
+    x = torch.randn(16, 64, requires_grad=True)  # 4 KiB rows
+
+    def chain():
+        h = x
+        for _ in range(3):
+            h = torch.relu(w(h))  # keeps relu's output (4 KiB); the Linear output is freed
+        view = h.t()  # a view: no new memory
+        view.mul_(1.0)  # in place: no new memory (no backward runs here)
+        return h.sum()
+
+    out, held, peak = held_by(chain)
+    assert held == 3 * 4 * KIB + 4  # three relu outputs and the float32 sum
+    assert peak == 4 * 4 * KIB  # the last Linear's output lived beside the three relu outputs
+    del out
+    with torch.no_grad():
+        _, held, _ = held_by(chain)
+    assert held == 4  # without a graph only the result stays
+
+
+def _cache_tensors(cache) -> list[torch.Tensor]:
+    if hasattr(cache, "layers"):  # transformers' DynamicCache
+        return [t for layer in cache.layers for t in (layer.keys, layer.values)]
+    return [*cache.keys, *cache.values]  # the native runtime's KVCache
+
+
+@pytest.mark.parametrize("runtime", ["transformers", "native"])
+def test_kv_cache_bytes_are_what_the_sampler_holds(runtime):
+    path = preset_path("nano")
+    tok = M.load_tokenizer(path, runtime=runtime)
+    lm = M.load_causal_lm(path, tok, runtime=runtime).eval()
+    outs = []
+    hook = lm.register_forward_hook(lambda m, a, o: outs.append(o))
+    ids = torch.randint(5, 50, (3, 7))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        sample(lm, ids, torch.ones_like(ids), 6, None, tok.pad_token_id, 1.0, 0, 1.0, gen)
+    hook.remove()
+    cache = getattr(outs[-1], cache_kwarg(lm))
+    held = sum(t.untyped_storage().nbytes() for t in _cache_tensors(cache))
+    c = lm.config
+    positions = cache_positions(7, 6, doubling=runtime == "native")
+    assert positions == (14 if runtime == "native" else 12)
+    assert held == kv_cache_bytes(
+        c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 3, positions, 4
+    )
+
+
+def _fixed_length_cfg(tmp_path, *overrides):
+    """Every prompt as long as rollout.max_prompt_tokens and no early EOS: the worst case
+    `rlhflab memory` plans for is then what the run does."""
+    prompt = "copy: apple banana cherry\nanswer:"
+    n_tokens = len(
+        M.load_tokenizer(preset_path("tiny"))(prompt, add_special_tokens=False)["input_ids"]
+    )
+    f = tmp_path / "prompts.jsonl"
+    f.write_text(json.dumps({"prompt": prompt}) + "\n")
+    base = {
+        "device": "cpu",
+        "model": {"policy": "preset:tiny", "value_model": "separate"},
+        "reward": {"functions": {"rlhflab.toy_rewards:vowel_reward": 1.0}},
+        "data": {"prompts": str(f)},
+        "rollout": {
+            "prompts_per_iteration": 8,
+            "max_new_tokens": 16,
+            "max_prompt_tokens": n_tokens,
+            "ignore_eos": True,
+        },
+        "ppo": {"iterations": 2, "epochs": 2, "minibatches": 2},
+        "log": {"output_dir": str(tmp_path / "run"), "progress": False},
+    }
+    return load_config(base=base, overrides=list(overrides))
+
+
+def _held_before(trainer) -> int:
+    """Bytes of the optimiser moments and gradients alive between iterations."""
+    seen, total = set(), 0
+    for opt in (trainer.opt, trainer.critic_opt):
+        if opt is None:
+            continue
+        tensors = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
+        tensors += [q.grad for g in opt.param_groups for q in g["params"] if q.grad is not None]
+        for t in tensors:
+            if t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                total += t.untyped_storage().nbytes()
+    return total
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["ppo.minibatches=1"],  # the critic's kept graph overlaps the policy's forward
+        ["model.value_model=shared"],
+        ["model.gradient_checkpointing=true", "model.runtime=native"],
+        ["ppo.micro_batch_size=2"],  # gradients accumulate: they exist before each backward
+        ["monitor.enabled=false"],
+    ],
+)
+def test_the_estimate_is_what_a_real_iteration_holds_at_its_peak(tmp_path, overrides):
+    from rlhflab.trainers.ppo import PPOTrainer
+
+    cfg = _fixed_length_cfg(tmp_path, *overrides)
+    trainer = PPOTrainer(cfg)
+    models = cast_memory(trainer.cast)
+    phases = iteration_memory(trainer.cast, cfg)
+    estimate, _ = estimated_peak(models, phases)
+
+    trainer.step()  # the first iteration creates the optimiser moments
+    before = sum(m.weights for m in models) + _held_before(trainer)
+    tracker = _NewStorages()
+    with tracker:
+        trainer.step()
+    actual = before + tracker.peak
+    # the same shapes as the run: off by at most small tensors (the rollout, statistics)
+    assert abs(estimate / actual - 1) < 0.02, (estimate, actual, phases)
+
+
+@pytest.mark.parametrize("runtime", ["transformers", "native"])
+def test_checkpointing_shrinks_what_the_forward_keeps_and_backward_restores_no_gradients(
+    runtime,
+):
+    from rlhflab.rollout import policy_outputs
+
+    path = preset_path("tiny")
+    tok = M.load_tokenizer(path, runtime=runtime)
+    seqs = torch.randint(5, 400, (4, 48))
+
+    def measured(checkpointing: bool) -> tuple[int, int]:
+        lm = M.load_causal_lm(path, tok, runtime=runtime).train()
+        if checkpointing:
+            M.enable_gradient_checkpointing(lm)
+        out = forward_backward_bytes(
+            lambda: policy_outputs(lm, seqs, torch.ones_like(seqs), 16, seqs[:, 16:], 1.0),
+            lm,
+            gradients_exist=False,
+        )
+        assert all(q.grad is None for q in lm.parameters())
+        return out
+
+    (kept, peak), (kept_ckpt, peak_ckpt) = measured(False), measured(True)
+    assert kept_ckpt < 0.3 * kept and peak_ckpt < peak
