@@ -168,3 +168,15 @@ def test_checkpointing_shrinks_what_the_forward_keeps_and_backward_restores_no_g
 
     (kept, peak), (kept_ckpt, peak_ckpt) = measured(False), measured(True)
     assert kept_ckpt < 0.3 * kept and peak_ckpt < peak
+
+
+def test_the_table_names_the_knobs_only_when_the_opener_probe_sets_the_peak():
+    from rlhflab.memory import ModelMemory, PhaseMemory, format_iteration
+
+    models = [ModelMemory("policy", weights=100, trainable=100, gradients=100, optimizer=200)]
+    probe = PhaseMemory("monitor", "opener probe", 1000, measured=True)
+    training = PhaseMemory("training", "fwd+bwd", 500, measured=True, gradients_of=("policy",))
+    assert "monitor.flattery_opener_ratio=null" in format_iteration([probe, training], models)
+    small = PhaseMemory("monitor", "opener probe", 10, measured=True)
+    text = format_iteration([small, training], models)
+    assert "in training" in text and "flattery_opener_ratio" not in text

@@ -360,4 +360,10 @@ def format_iteration(phases: list[PhaseMemory], models: list[ModelMemory]) -> st
         f"estimated peak of tensors: {peak / mib:.2f} MiB, in {largest} (weights and AdamW "
         f"moments{with_grads} + {largest}); the process adds its libraries and allocator slack"
     )
+    if largest == "monitor":
+        lines.append(
+            "the monitor's opener probe copies each prompt's KV cache once per phrase "
+            "spelling: a smaller rollout.score_micro_batch, fewer monitor.phrases or "
+            "monitor.flattery_opener_ratio=null lowers it"
+        )
     return "\n".join(lines)
