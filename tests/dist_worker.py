@@ -108,6 +108,17 @@ if __name__ == "__main__":
 
         ctx = init_distributed("cpu")
         build_preset("nano", f"{out}/rank-{ctx.rank}")
+    elif mode == "late":  # the group outlives destroy_process_group, as under FSDP2
+        import torch.distributed as dist
+
+        from rlhflab.distributed import init_distributed
+
+        init_distributed("cpu")
+        held = dist.group.WORLD  # FSDP2's device mesh holds it the same way
+        queued = [torch.ones(1000) for _ in range(3000)]
+        for t in queued:  # gloo's worker threads release these as the process ends
+            dist.all_reduce(t, async_op=True)
+        del queued, t
     elif mode == "gather":  # rank r holds [r, r + 10]; rank 0 saves the gathered tensor
         from rlhflab.distributed import init_distributed
 
@@ -121,6 +132,8 @@ if __name__ == "__main__":
         t.fit(resume=True)
         if reads is not None:
             Path(out, f"reads-{t.ctx.rank}.json").write_text(json.dumps(reads))
-    from rlhflab.distributed import shutdown_distributed
+    from rlhflab.distributed import exit_without_teardown, shutdown_distributed
 
-    shutdown_distributed()  # as the CLI does: no live gloo group at interpreter exit
+    # as the command line does: leave the group, then exit before the interpreter's teardown
+    if shutdown_distributed():
+        exit_without_teardown(0)

@@ -56,3 +56,15 @@ def test_asking_for_mimalloc_where_it_is_missing_is_a_clear_error(monkeypatch):
     assert "LD_PRELOAD" not in allocator.environment("auto", {})  # auto: quietly the system's
     with pytest.raises(allocator.AllocatorError, match="not one of"):
         allocator.environment("tcmalloc", {})
+
+
+def test_python_dash_m_rlhflab_exits_with_the_commands_status():
+    # `torchrun -m rlhflab` and `python -m rlhflab` go through __main__.py: a refused
+    # config must fail the process, as the installed `rlhflab` script does (it exited 0)
+    done = subprocess.run(
+        [sys.executable, "-m", "rlhflab", "--allocator", "system", "ppo", "ppo.lr=-1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and "ppo.lr" in done.stderr, done.stderr

@@ -270,9 +270,12 @@ def main(argv: list[str] | None = None) -> int:
     except user_errors() as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from rlhflab.distributed import shutdown_distributed
+    from rlhflab.distributed import exit_without_teardown, shutdown_distributed
 
-    shutdown_distributed()  # under torchrun: leave the process group before exiting
+    # under torchrun: leave the process group; as the command line, then also skip the
+    # interpreter's teardown, where gloo's threads can abort a finished run
+    if shutdown_distributed() and argv is None:
+        exit_without_teardown(code)
     return code
 
 

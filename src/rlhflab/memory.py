@@ -161,7 +161,7 @@ def held_by(fn) -> tuple[object, int, int]:
 
 @dataclass
 class PhaseMemory:
-    phase: str  # sampling | scoring | training
+    phase: str  # sampling | scoring | monitor | training | critic
     what: str  # what the bytes are, for the table
     bytes: int
     measured: bool  # measured on the built models, or computed from their shapes
@@ -193,7 +193,9 @@ def iteration_memory(cast, cfg) -> list[PhaseMemory]:
     * training: what the policy's forward on one PPO micro-batch keeps for backward,
       measured on the built policy — lean activations, checkpointing and LoRA count as they
       are — plus a separate critic's, whose graph the first update keeps alongside the
-      policy's by default (``ppo.values_from_training_forward``).
+      policy's by default (``ppo.values_from_training_forward``);
+    * monitor: the flattery-opener probe (``rollout.opener_logprobs``), policy or
+      reference, where ``monitor.flattery_opener_ratio`` is on.
 
     The measured forwards run on random token ids of those shapes; nothing is updated.
     """
