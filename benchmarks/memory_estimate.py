@@ -22,7 +22,13 @@ import torch
 
 from rlhflab import models as M
 from rlhflab.config import load_config
-from rlhflab.memory import _NewStorages, cast_memory, estimated_peak, iteration_memory
+from rlhflab.memory import (
+    _NewStorages,
+    cast_memory,
+    estimated_peak,
+    iteration_memory,
+    optimizer_held_bytes,
+)
 from rlhflab.presets import preset_path
 from rlhflab.trainers.ppo import PPOTrainer
 
@@ -59,17 +65,8 @@ def config(preset: str, folder: Path, overrides: list[str]):
 
 
 def held_between_iterations(trainer) -> int:
-    seen, total = set(), 0
-    for opt in (trainer.opt, trainer.critic_opt):
-        if opt is None:
-            continue
-        tensors = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
-        tensors += [q.grad for g in opt.param_groups for q in g["params"] if q.grad is not None]
-        for t in tensors:
-            if t.untyped_storage().data_ptr() not in seen:
-                seen.add(t.untyped_storage().data_ptr())
-                total += t.untyped_storage().nbytes()
-    return total
+    """Bytes of the optimiser moments and gradients alive between iterations."""
+    return optimizer_held_bytes(trainer.opt, trainer.critic_opt)
 
 
 def measure(preset: str, overrides: list[str]) -> tuple[float, float, str]:

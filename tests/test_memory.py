@@ -17,6 +17,7 @@ from rlhflab.memory import (
     held_by,
     iteration_memory,
     kv_cache_bytes,
+    optimizer_held_bytes,
 )
 from rlhflab.presets import preset_path
 from rlhflab.sampling import cache_kwarg, sample
@@ -101,17 +102,7 @@ def _fixed_length_cfg(tmp_path, *overrides):
 
 def _held_before(trainer) -> int:
     """Bytes of the optimiser moments and gradients alive between iterations."""
-    seen, total = set(), 0
-    for opt in (trainer.opt, trainer.critic_opt):
-        if opt is None:
-            continue
-        tensors = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
-        tensors += [q.grad for g in opt.param_groups for q in g["params"] if q.grad is not None]
-        for t in tensors:
-            if t.untyped_storage().data_ptr() not in seen:
-                seen.add(t.untyped_storage().data_ptr())
-                total += t.untyped_storage().nbytes()
-    return total
+    return optimizer_held_bytes(trainer.opt, trainer.critic_opt)
 
 
 @pytest.mark.parametrize(

@@ -369,3 +369,20 @@ def format_iteration(phases: list[PhaseMemory], models: list[ModelMemory]) -> st
             "monitor.flattery_opener_ratio=null lowers it"
         )
     return "\n".join(lines)
+
+
+def optimizer_held_bytes(*optimizers) -> int:
+    """Bytes of the optimisers' moments and of their parameters' gradients that exist now
+    (each storage once; ``None`` optimisers skipped): what an iteration starts on top of
+    the weights."""
+    seen, total = set(), 0
+    for opt in optimizers:
+        if opt is None:
+            continue
+        tensors = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
+        tensors += [q.grad for g in opt.param_groups for q in g["params"] if q.grad is not None]
+        for t in tensors:
+            if t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                total += t.untyped_storage().nbytes()
+    return total
