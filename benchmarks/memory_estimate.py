@@ -64,11 +64,6 @@ def config(preset: str, folder: Path, overrides: list[str]):
     return load_config(base=base, overrides=overrides)
 
 
-def held_between_iterations(trainer) -> int:
-    """Bytes of the optimiser moments and gradients alive between iterations."""
-    return optimizer_held_bytes(trainer.opt, trainer.critic_opt)
-
-
 def measure(preset: str, overrides: list[str]) -> tuple[float, float, str]:
     with tempfile.TemporaryDirectory() as d:
         cfg = config(preset, Path(d), overrides)
@@ -76,7 +71,9 @@ def measure(preset: str, overrides: list[str]) -> tuple[float, float, str]:
         models = cast_memory(trainer.cast)
         estimate, largest = estimated_peak(models, iteration_memory(trainer.cast, cfg))
         trainer.step()
-        before = sum(m.weights for m in models) + held_between_iterations(trainer)
+        before = sum(m.weights for m in models) + optimizer_held_bytes(
+            trainer.opt, trainer.critic_opt
+        )
         tracker = _NewStorages()
         with tracker:
             trainer.step()

@@ -9,10 +9,13 @@ import torch
 from rlhflab import models as M
 from rlhflab.config import load_config
 from rlhflab.memory import (
+    ModelMemory,
+    PhaseMemory,
     _NewStorages,
     cache_positions,
     cast_memory,
     estimated_peak,
+    format_iteration,
     forward_backward_bytes,
     held_by,
     iteration_memory,
@@ -100,11 +103,6 @@ def _fixed_length_cfg(tmp_path, *overrides):
     return load_config(base=base, overrides=list(overrides))
 
 
-def _held_before(trainer) -> int:
-    """Bytes of the optimiser moments and gradients alive between iterations."""
-    return optimizer_held_bytes(trainer.opt, trainer.critic_opt)
-
-
 @pytest.mark.parametrize(
     "overrides",
     [
@@ -126,7 +124,7 @@ def test_the_estimate_is_what_a_real_iteration_holds_at_its_peak(tmp_path, overr
     estimate, _ = estimated_peak(models, phases)
 
     trainer.step()  # the first iteration creates the optimiser moments
-    before = sum(m.weights for m in models) + _held_before(trainer)
+    before = sum(m.weights for m in models) + optimizer_held_bytes(trainer.opt, trainer.critic_opt)
     tracker = _NewStorages()
     with tracker:
         trainer.step()
@@ -162,8 +160,6 @@ def test_checkpointing_shrinks_what_the_forward_keeps_and_backward_restores_no_g
 
 
 def test_the_table_names_the_knobs_only_when_the_opener_probe_sets_the_peak():
-    from rlhflab.memory import ModelMemory, PhaseMemory, format_iteration
-
     models = [ModelMemory("policy", weights=100, trainable=100, gradients=100, optimizer=200)]
     probe = PhaseMemory("monitor", "opener probe", 1000, measured=True)
     training = PhaseMemory("training", "fwd+bwd", 500, measured=True, gradients_of=("policy",))

@@ -16,6 +16,7 @@ import contextlib
 import os
 import sys
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -115,7 +116,7 @@ def shutdown_distributed() -> bool:
     return False
 
 
-def exit_without_teardown(code: int) -> None:
+def exit_without_teardown(code: int) -> NoReturn:
     """End a process that ran a gloo group with ``code``: its exit handlers run and its
     output is flushed, then it exits at once, without the interpreter's teardown.
 
