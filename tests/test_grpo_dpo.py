@@ -40,6 +40,33 @@ def test_group_trainers_raise_reward_with_ratio_one_at_first(tmp_path, estimator
     assert f"{estimator}/zero_std_fraction" in rows[0] and "val/loss" not in rows[0]
 
 
+def test_dr_grpo_divides_by_one_constant_not_the_batch_width(tmp_path, monkeypatch):
+    """seq-mean-token-sum-norm weighs an answer by a constant that no batch changes:
+    rollout.max_new_tokens by default, ppo.loss_agg_norm when set (every loss term)."""
+    import rlhflab.losses as L
+
+    seen, real = [], L.aggregate
+
+    def spy(loss_matrix, mask, mode="token-mean", norm=None, **kw):
+        seen.append(norm)
+        return real(loss_matrix, mask, mode, norm, **kw)
+
+    monkeypatch.setattr(L, "aggregate", spy)
+    for over, expect in (((), 8), (("ppo.loss_agg_norm=50",), 50)):
+        seen.clear()
+        cfg = grpo_cfg(
+            tmp_path,
+            "model.policy=preset:nano",
+            "ppo.iterations=1",
+            "ppo.epochs=1",
+            "ppo.loss_agg=seq-mean-token-sum-norm",
+            "grpo.normalize_std=false",
+            *over,
+        )
+        GRPOTrainer(cfg).step()
+        assert seen and set(seen) == {expect}, over
+
+
 def test_group_prompts_are_consecutive(tmp_path):
     t = GRPOTrainer(grpo_cfg(tmp_path))
     prompts = t.next_prompts()

@@ -28,19 +28,30 @@ def agg_loop(loss, m, mode, norm=None):
 @pytest.mark.parametrize("mode", L.AGG_MODES)
 def test_aggregate_matches_loop_and_ignores_padding(mode):
     m, loss = ragged_mask(seed=11, empty_row=True), rand(B, T, seed=12)
-    out = L.aggregate(with_garbage_padding(loss, m), m, mode)
-    assert out.item() == pytest.approx(agg_loop(loss, m, mode), rel=1e-12)
-    if mode == "seq-mean-token-sum-norm":
-        assert L.aggregate(loss, m, mode, norm=32).item() == pytest.approx(
-            agg_loop(loss, m, mode, 32), rel=1e-12
-        )
+    out = L.aggregate(with_garbage_padding(loss, m), m, mode, norm=32)
+    assert out.item() == pytest.approx(agg_loop(loss, m, mode, 32), rel=1e-12)
+
+
+def test_dr_grpo_constant_is_required_and_the_batch_width_never_weighs_an_answer():
+    mode = "seq-mean-token-sum-norm"
+    m, loss = ragged_mask(seed=15), rand(B, T, seed=16)
+    # no silent fallback to the padded width: that width is whatever this batch's longest
+    # answer happened to be
+    with pytest.raises(ValueError, match="norm"):
+        L.aggregate(loss, m, mode)
+    short = 3  # row 0 is one token long: its padded batch alone is 3 wide, with row 1 it is T
+    alone = L.aggregate(loss[:1, :short], m[:1, :short], mode, norm=40, num_seqs=2)
+    other = L.aggregate(loss[1:2], m[1:2], mode, norm=40, num_seqs=2)
+    together = L.aggregate(loss[:2], m[:2], mode, norm=40)
+    assert together.item() == pytest.approx(alone.item() + other.item(), rel=1e-12)
+    assert alone.item() == pytest.approx(loss[0, 0].item() / (2 * 40), rel=1e-12)
 
 
 @pytest.mark.parametrize("mode", L.AGG_MODES)
 def test_micro_batches_sum_to_whole_batch_with_global_counts(mode):
     m, loss = ragged_mask(seed=13), rand(B, T, seed=14)
-    whole = L.aggregate(loss, m, mode)
-    kw = {"num_tokens": m.sum(), "num_seqs": B}
+    whole = L.aggregate(loss, m, mode, norm=20)
+    kw = {"num_tokens": m.sum(), "num_seqs": B, "norm": 20}
     parts = sum(
         L.aggregate(loss[s], m[s], mode, **kw) for s in (slice(0, 1), slice(1, 4), slice(4, B))
     )
@@ -152,9 +163,9 @@ def test_fully_masked_batch_gives_finite_zero_losses():
     m = torch.zeros(B, T)
     x = torch.full((B, T), float("nan"), dtype=torch.float64)
     for mode in L.AGG_MODES:
-        loss, met = L.policy_loss(x, x, x, m, agg=mode)
+        loss, met = L.policy_loss(x, x, x, m, agg=mode, norm=T)
         assert loss.item() == 0.0 and all(torch.isfinite(v) for v in met.values())
-        loss, met = L.value_loss(x, x, x, m, agg=mode)
+        loss, met = L.value_loss(x, x, x, m, agg=mode, norm=T)
         assert loss.item() == 0.0 and all(torch.isfinite(v) for v in met.values())
 
 
@@ -165,7 +176,7 @@ def test_loss_gradients_pass_gradcheck():
     lp = (old + 0.05 * rand(B, T, seed=27)).requires_grad_()
     for mode in L.AGG_MODES:
         assert torch.autograd.gradcheck(
-            lambda x, mode=mode: L.policy_loss(x, old, adv, m, agg=mode)[0], (lp,)
+            lambda x, mode=mode: L.policy_loss(x, old, adv, m, agg=mode, norm=T)[0], (lp,)
         )
     v = (ret + 0.01 * rand(B, T, seed=28)).requires_grad_()
     v_old = ret + 0.3 * rand(B, T, seed=35)  # some tokens clipped, some not

@@ -299,6 +299,14 @@ class PPOConfig:
             "seq-mean-token-sum-norm",
         ),
     )
+    loss_agg_norm: int | None = setting(
+        None,
+        "The constant that loss_agg=seq-mean-token-sum-norm divides each answer's token sum "
+        "by (Dr. GRPO: the generation budget). None: rollout.max_new_tokens. The same on every "
+        "rank and minibatch, never the batch's longest answer, so an answer's weight does not "
+        "depend on which other answers share its batch.",
+        low=1,
+    )
     lr: float = setting(
         1e-5,
         "Policy learning rate (typical 1e-6..1e-5; tiny models need more).",
@@ -625,6 +633,11 @@ def validate(cfg: Config, stage: str = "ppo") -> Config:
                 f"(ppo.micro_batch_size={cfg.ppo.micro_batch_size} < minibatch of {mb}) "
                 "cannot be applied during the backward; set micro_batch_size to null"
             )
+    if cfg.ppo.loss_agg_norm is not None and cfg.ppo.loss_agg != "seq-mean-token-sum-norm":
+        raise ConfigError(
+            "ppo.loss_agg_norm: only used with ppo.loss_agg=seq-mean-token-sum-norm "
+            f"(it is {cfg.ppo.loss_agg!r})"
+        )
     if cfg.model.value_model == "from_reward" and not cfg.reward.model:
         raise ConfigError("model.value_model: 'from_reward' needs reward.model to be set")
     if cfg.model.critic and cfg.model.value_model not in ("separate", "auto"):

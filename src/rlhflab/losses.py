@@ -47,7 +47,10 @@ def aggregate(
     * ``"token-mean"``: Σ m·ℓ / Σ m (DAPO, verl, TRL GRPO default).
     * ``"seq-mean-token-sum"``: mean over sequences of Σ_t m·ℓ.
     * ``"seq-mean-token-mean"``: mean over sequences of Σ_t m·ℓ / Σ_t m (original GRPO).
-    * ``"seq-mean-token-sum-norm"``: Σ m·ℓ / (B·norm), norm defaulting to T (DrGRPO).
+    * ``"seq-mean-token-sum-norm"``: Σ m·ℓ / (B·norm) with ``norm`` a constant the caller
+      must give (DrGRPO's generation budget, ``rollout.max_new_tokens``). Never the padded
+      width T: that is this batch's longest answer, so an answer's weight would change from
+      batch to batch and from rank to rank. Ignored by the other modes.
 
     Micro-batching and data parallelism: pass the *global* denominators — ``num_tokens``
     (token-mean) and ``num_seqs`` (every seq-mean mode) — and the per-micro-batch losses then
@@ -67,8 +70,12 @@ def aggregate(
         per_seq = masked.sum(-1) / m.sum(-1).clamp(min=1)
         return per_seq.sum() / max(n_seqs, 1)
     if mode == "seq-mean-token-sum-norm":
-        horizon = norm if norm is not None else loss_matrix.shape[-1]
-        return masked.sum() / (max(n_seqs, 1) * horizon)
+        if norm is None or not norm > 0:
+            raise ValueError(
+                f"aggregate: mode {mode!r} needs a constant norm > 0 (got {norm}), the same "
+                "for every batch and rank, e.g. the generation budget max_new_tokens"
+            )
+        return masked.sum() / (max(n_seqs, 1) * norm)
     raise ValueError(f"unknown aggregation mode {mode!r}; choose one of {AGG_MODES}")
 
 

@@ -67,7 +67,12 @@ class PPOEpochs:
                 # Global token count: DDP/FSDP average gradients over ranks, so dividing each
                 # rank's token sum by (global tokens / world) gives the global token mean.
                 global_tokens = self.ctx.all_sum(n_tokens.double().reshape(1))[0]
-                agg = {"num_tokens": global_tokens / self.ctx.world, "num_seqs": mb_size}
+                agg = {
+                    "num_tokens": global_tokens / self.ctx.world,
+                    "num_seqs": mb_size,
+                    # Dr. GRPO's constant: one number for every batch, rank and minibatch
+                    "norm": p.loss_agg_norm or self.cfg.rollout.max_new_tokens,
+                }
                 n_micro = (mb_size + micro - 1) // micro
                 mb_stats: dict[str, float] = {}
                 finite = True
