@@ -18,7 +18,9 @@ def torchrun(n, *args, fails=False):
     not). Returns the finished process."""
     # faulthandler: a rank that aborts in C++ (SIGABRT) still prints every Python thread's
     # stack, so a failure says where the rank was (mid-run or at interpreter exit)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+    # this checkout's src/ first: the venv's editable install may point at another worktree
+    path = os.pathsep.join([str(ROOT / "src"), str(ROOT)])
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     cmd = [
         sys.executable,
         "-m",
@@ -39,6 +41,48 @@ def torchrun(n, *args, fails=False):
             pytrace=False,
         )
     return done
+
+
+@pytest.mark.parametrize(
+    "answers, world, minibatches, micro, group, per_rank_minibatch",
+    [
+        (16, 1, 4, None, 1, 4),
+        (16, 2, 4, None, 1, 2),
+        (16, 4, 4, None, 1, 1),
+        (16, 4, 2, 1, 4, 2),  # whole GRPO groups of 4 per rank, minibatches may cut them
+        (24, 2, 3, 2, 1, 4),
+        (8, 4, 1, 4, 1, 2),  # a micro-batch larger than a rank's minibatch: one per step
+    ],
+)
+def test_each_rank_gets_the_same_number_of_equal_minibatches(
+    answers, world, minibatches, micro, group, per_rank_minibatch
+):
+    from rlhflab.distributed import rank_split
+
+    # every rank takes ppo.minibatches optimiser steps per epoch, as a single process does
+    assert rank_split(answers, world, minibatches, micro, group) == per_rank_minibatch
+
+
+@pytest.mark.parametrize(
+    "answers, world, minibatches, micro, group, field",
+    [
+        (12, 2, 4, None, 1, "ppo.minibatches"),  # 6 per rank: was 6 steps of 1 per epoch
+        (8, 2, 8, None, 1, "ppo.minibatches"),  # 4 per rank: was a division by zero
+        (16, 4, 8, None, 1, "ppo.minibatches"),
+        (10, 4, 1, None, 1, "rollout.prompts_per_iteration"),
+        (12, 2, 1, None, 4, "grpo.group_size"),  # 6 per rank: a group split over two ranks
+        (12, 2, 1, 4, 1, "ppo.micro_batch_size"),  # divides 12, not the 6 each rank holds
+    ],
+)
+def test_a_batch_that_does_not_split_evenly_over_ranks_is_refused(
+    answers, world, minibatches, micro, group, field
+):
+    from rlhflab.config import ConfigError
+    from rlhflab.distributed import rank_split
+
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")) as err:
+        rank_split(answers, world, minibatches, micro, group)
+    assert f"{world} rank" in str(err.value)
 
 
 @pytest.mark.parametrize("runtime", ["transformers", "native"])
@@ -181,9 +225,11 @@ def test_numpy_matmul_under_fsdp(tmp_path):
             "rollout.logprobs_from_sampling: with a shared backbone under fsdp",
         ),
         (("ppo.max_grad_norm=null", "ppo.step_in_backward=true"), "ppo.step_in_backward: with"),
+        # 6 answers per rank in 4 minibatches: 6 optimiser steps per epoch instead of 4
+        (("rollout.prompts_per_iteration=12", "ppo.minibatches=4"), "ppo.minibatches: 4"),
     ],
 )
-def test_single_process_settings_are_refused_on_two_ranks(tmp_path, over, message):
+def test_settings_that_do_not_fit_two_ranks_are_refused(tmp_path, over, message):
     done = torchrun(2, "run", str(tmp_path / "run"), *over, fails=True)
     assert message in done.stderr
 

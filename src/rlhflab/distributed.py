@@ -135,6 +135,47 @@ def exit_without_teardown(code: int) -> NoReturn:
     os._exit(code)
 
 
+def rank_split(
+    answers: int,
+    world: int,
+    minibatches: int,
+    micro_batch_size: int | None = None,
+    group_size: int = 1,
+) -> int:
+    """Answers per minibatch on each rank, for a rollout of ``answers`` over ``world`` ranks.
+
+    Every rank must hold the same number of answers (whole groups of ``group_size`` for
+    GRPO/RLOO, whose baseline is computed within a rank's share) and cut them into exactly
+    ``minibatches`` equal minibatches: then a run takes ``ppo.minibatches`` optimiser steps
+    per epoch whatever its world size, and each step's gradient averages the same number of
+    answers on every rank. A check of the global batch alone lets 12 answers on 2 ranks
+    make 6 steps of 1 answer per epoch with 4 minibatches, or divide by zero with 8."""
+    where = f"over {world} rank{'s' if world > 1 else ''}"
+    if answers % world:
+        raise ConfigError(f"rollout.prompts_per_iteration: {answers} answers do not split {where}")
+    local = answers // world
+    if local % group_size:
+        raise ConfigError(
+            f"grpo.group_size: rollout.prompts_per_iteration={answers} {where} gives each "
+            f"rank {local} answers, not whole groups of {group_size}"
+        )
+    if local % minibatches:
+        raise ConfigError(
+            f"ppo.minibatches: {minibatches} minibatches do not split the {local} answers "
+            f"each rank holds (rollout.prompts_per_iteration={answers} {where}); make "
+            f"prompts_per_iteration a multiple of {minibatches * world}"
+        )
+    per_minibatch = local // minibatches
+    micro = micro_batch_size
+    if micro is not None and micro < per_minibatch and per_minibatch % micro:
+        raise ConfigError(
+            f"ppo.micro_batch_size: {micro} does not divide the minibatch of {per_minibatch} "
+            f"answers each rank holds (rollout.prompts_per_iteration={answers} {where}, "
+            f"ppo.minibatches={minibatches})"
+        )
+    return per_minibatch
+
+
 def global_moments(x: torch.Tensor, mask: torch.Tensor, ctx: DistContext):
     """Masked mean and unbiased variance of ``x`` over every rank's selected elements."""
     m = mask.bool()

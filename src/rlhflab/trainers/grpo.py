@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from rlhflab import algorithms as A
-from rlhflab.config import Config, ConfigError
+from rlhflab.config import Config
 from rlhflab.rollout import Rollout
 from rlhflab.trainers.ppo import PPOTrainer
 
@@ -32,12 +32,11 @@ class GRPOTrainer(PPOTrainer):
         self.estimator = estimator
         self.group = cfg.grpo.group_size
         self.stream.batch_size = cfg.rollout.prompts_per_iteration // self.group
-        local = cfg.rollout.prompts_per_iteration // self.ctx.world
-        if local % self.group:
-            raise ConfigError(
-                f"grpo.group_size: each of the {self.ctx.world} ranks gets {local} "
-                f"answers, not whole groups of {self.group}"
-            )
+
+    def _group_size(self) -> int:
+        """Whole groups per rank (checked by PPOTrainer with the world size): a group's
+        baseline is computed from the answers one rank holds."""
+        return self.cfg.grpo.group_size
 
     def next_prompts(self) -> list[str]:
         """Each prompt G times in a row: groups are consecutive, as the advantages expect."""

@@ -23,6 +23,7 @@ from rlhflab.config import Config, ConfigError
 from rlhflab.distributed import (
     global_moments,
     init_distributed,
+    rank_split,
     shard,
     wrap_trained,
 )
@@ -90,6 +91,15 @@ class PPOTrainer(PPOEpochs, PPOWatch, CheckpointedRun):
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.ctx = init_distributed(cfg.device)
+        # each rank's share of the rollout, before any model is loaded: ppo.minibatches
+        # optimiser steps per epoch on every rank, whatever the world size
+        self.minibatch_size = rank_split(
+            cfg.rollout.prompts_per_iteration,
+            self.ctx.world,
+            cfg.ppo.minibatches,
+            cfg.ppo.micro_batch_size,
+            self._group_size(),
+        )
         # the prompts first, with the policy's tokenizer alone: a bad data file is reported
         # in seconds, not after four models have been loaded
         tokenizer = cast.tokenizer if cast is not None else load_policy_tokenizer(cfg)
@@ -159,11 +169,6 @@ class PPOTrainer(PPOEpochs, PPOWatch, CheckpointedRun):
         """Wrap (DDP) or shard (FSDP2) the trained models before their optimisers exist."""
         cfg, ctx, cast = self.cfg, self.ctx, self.cast
         strategy = cfg.dist.strategy
-        if ctx.enabled and cfg.rollout.prompts_per_iteration % ctx.world:
-            raise ConfigError(
-                f"rollout.prompts_per_iteration: {cfg.rollout.prompts_per_iteration}"
-                f" answers do not split over {ctx.world} ranks"
-            )
         if ctx.enabled and cfg.ppo.step_in_backward:
             raise ConfigError(
                 "ppo.step_in_backward: with several processes the gradients are averaged "
@@ -193,6 +198,10 @@ class PPOTrainer(PPOEpochs, PPOWatch, CheckpointedRun):
             shard(cast.reference)
         # under FSDP every rank must run the same number of forward passes while sampling
         self.all_done = ctx.all_true if self.fsdp else None
+
+    def _group_size(self) -> int:
+        """Answers that must stay on one rank together (1: PPO's answers are independent)."""
+        return 1
 
     def _local_share(self, prompts: list[str]) -> list[str]:
         """This rank's contiguous slice of the global batch (whole groups for GRPO/RLOO)."""

@@ -30,7 +30,11 @@ class PPOEpochs:
     def _ppo_epochs(self, ro: Rollout, advantages, returns, beta) -> dict[str, float]:
         p, cast = self.cfg.ppo, self.cast
         B = len(ro)
-        mb_size = B // p.minibatches
+        mb_size = self.minibatch_size  # PPOTrainer checked the split (distributed.rank_split)
+        if B != mb_size * p.minibatches:
+            raise RuntimeError(
+                f"this rank holds {B} answers, not {p.minibatches} minibatches of {mb_size}"
+            )
         micro = p.micro_batch_size or mb_size
         cast.policy.train()
         if cast.critic is not None:
