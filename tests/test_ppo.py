@@ -290,6 +290,22 @@ def test_config_errors_name_the_field(tmp_path, override, field):
         make_cfg(tmp_path, override)
 
 
+def test_a_kl_in_the_loss_refuses_estimators_without_a_kl_gradient(tmp_path):
+    # E_π[∇ log π] = 0: k1 differentiated in the loss adds no KL pull (abs none either),
+    # so the penalty would silently vanish
+    for est in ("k1", "abs"):
+        with pytest.raises(ConfigError, match=r"ppo\.kl_estimator.*'k2', 'k3', 'k3\+'"):
+            make_cfg(tmp_path, "ppo.kl_placement=loss", f"ppo.kl_estimator={est}")
+    for est in ("k2", "k3", "k3+"):
+        assert make_cfg(tmp_path, "ppo.kl_placement=loss", f"ppo.kl_estimator={est}")
+    from rlhflab.trainers.grpo import GRPO_BASE
+
+    reward = {"functions": {"rlhflab.toy_rewards:vowel_reward": 1.0}}
+    for stage in ("grpo", "rloo"):  # the group trainers' defaults put a working KL there
+        cfg = load_config(base={**GRPO_BASE, "reward": reward}, stage=stage)
+        assert (cfg.ppo.kl_placement, cfg.ppo.kl_estimator) == ("loss", "k3")
+
+
 def test_bad_prompt_rows_get_clear_errors(tmp_path):
     from rlhflab import models as M
     from rlhflab.presets import preset_path

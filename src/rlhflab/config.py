@@ -12,6 +12,8 @@ from rlhflab import configbase
 from rlhflab.configbase import ConfigError, section, setting
 
 PRECISIONS = ("fp32", "bf16", "fp16", "int8")
+# KL estimators whose gradient pulls toward the reference when differentiated in the loss
+LOSS_KL_ESTIMATORS = ("k2", "k3", "k3+")
 
 
 @dataclass
@@ -277,7 +279,8 @@ class PPOConfig:
     kl_estimator: str = setting(
         "k1",
         "KL estimator: k1 in the reward is the correct gradient; in the loss use k2 or k3+ "
-        "(ppo-details §3.4).",
+        "(k3 is DSM's biased choice; k1 and abs are refused there: no KL gradient; "
+        "ppo-details §3.4).",
         choices=("k1", "k2", "k3", "k3+", "abs"),
     )
     kl_placement: str = setting(
@@ -650,6 +653,14 @@ def validate(cfg: Config, stage: str = "ppo") -> Config:
         raise ConfigError(
             f"ppo.kl_estimator: {cfg.ppo.kl_estimator!r} is a loss-side estimator; in the reward "
             "use k1 (ppo-details §3.4)"
+        )
+    if cfg.ppo.kl_placement == "loss" and cfg.ppo.kl_estimator not in LOSS_KL_ESTIMATORS:
+        # E_π[∇ log π] = 0, so k1 differentiated in the loss has no expected gradient: the
+        # KL penalty would silently vanish (abs is no KL gradient either)
+        raise ConfigError(
+            f"ppo.kl_estimator: {cfg.ppo.kl_estimator!r} in the loss (ppo.kl_placement=loss) "
+            "gives no KL gradient; use one of "
+            f"{', '.join(repr(e) for e in LOSS_KL_ESTIMATORS)} (ppo-details §3.4)"
         )
     return cfg
 
