@@ -1,4 +1,4 @@
-"""Reward functions that misbehave on purpose, for the error-message tests."""
+"""Reward functions that misbehave on purpose, for the error-message and edge-case tests."""
 
 
 def wrong_count(prompts, responses):
@@ -11,3 +11,8 @@ def boom(prompts, responses):
 
 def nan_reward(prompts, responses):
     return [float("nan")] * len(prompts)
+
+
+def zero_reward(prompts, responses):
+    """A 0/1 reward that nobody earns: every score of a batch equal."""
+    return [0.0] * len(prompts)

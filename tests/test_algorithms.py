@@ -256,3 +256,78 @@ def test_mean_z_score_matches_loop():
     assert A.mean_z_score(x) == pytest.approx(mean / (std / math.sqrt(len(vals))), abs=1e-12)
     assert math.isnan(A.mean_z_score(torch.zeros(5))) and math.isnan(A.mean_z_score(x[:1]))
     assert A.mean_z_score(torch.full((3,), -1.0)) == -math.inf
+
+
+# ----------------------------------------------------------------------------- running score scale
+
+
+def test_running_scale_of_equal_scores_is_finite():
+    from rlhflab.rewards import RunningMoments
+
+    for value in (0.0, 1.0, -3.0):
+        moments, scores = RunningMoments(), torch.full((8,), value)
+        moments.update(scores)
+        out = A.scale_by_running_std(scores, moments.var)
+        assert torch.isfinite(out).all()
+        # no spread seen yet, so no scale to divide by: the scores stay as they are
+        assert torch.equal(out, A.scale_by_running_std(scores, 1.0))
+    x = rand(5, seed=40)
+    for i, v in enumerate(A.scale_by_running_std(x, 0.25, eps=1e-8).tolist()):
+        assert v == pytest.approx(x[i].item() / math.sqrt(0.25 + 1e-8), rel=1e-12)
+
+
+class _ThreadGroup:
+    """``world`` ranks as threads: all_sum adds every rank's tensor, as all_reduce does."""
+
+    def __init__(self, world):
+        import threading
+
+        self.world, self.slots = world, [None] * world
+        self.barrier = threading.Barrier(world)
+
+    def rank(self, r):
+        group = self
+
+        class Ctx:
+            enabled, world = group.world > 1, group.world
+
+            def all_sum(self, t):
+                group.slots[r] = t.clone()
+                group.barrier.wait()
+                total = sum(group.slots)
+                group.barrier.wait()  # nobody overwrites a slot before all have read
+                return total
+
+        return Ctx()
+
+
+def test_running_moments_are_global_over_ranks_and_equal_the_concatenated_data():
+    import threading
+
+    from rlhflab.distributed import global_batch_moments
+    from rlhflab.rewards import RunningMoments
+
+    # two iterations; rank 1's first share is all equal, the shards differ in size
+    shards = [
+        [rand(3, seed=41) + 5.0, torch.full((4,), 2.0, dtype=torch.float64)],
+        [rand(6, seed=42) * 3.0, rand(2, seed=43) - 7.0],
+    ]
+    group, found = _ThreadGroup(2), [None, None]
+
+    def run(r):
+        ctx, moments = group.rank(r), RunningMoments()
+        for it in shards:
+            moments.merge(*global_batch_moments(it[r].float(), ctx))
+        found[r] = moments
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=30)
+    every = torch.cat([x.float().double() for it in shards for x in it])
+    for moments in found:  # every rank holds the same, global moments
+        assert moments.count == every.numel()
+        assert moments.mean == pytest.approx(every.mean().item(), rel=1e-12)
+        assert moments.var == pytest.approx(every.var().item(), rel=1e-12)
+    assert found[0].state_dict() == found[1].state_dict()

@@ -306,6 +306,23 @@ def test_a_kl_in_the_loss_refuses_estimators_without_a_kl_gradient(tmp_path):
         assert (cfg.ppo.kl_placement, cfg.ppo.kl_estimator) == ("loss", "k3")
 
 
+def test_running_normalisation_of_a_batch_of_equal_scores_trains(tmp_path):
+    # the running std of a first batch of equal scores is 0: dividing by it gave NaN (0/0)
+    # and a skipped update
+    t = PPOTrainer(
+        make_cfg(
+            tmp_path,
+            "ppo.iterations=1",
+            "ppo.epochs=1",
+            "monitor.enabled=false",
+            "reward.normalize=running",
+            "reward.functions={'tests.reward_fns:zero_reward': 1.0}",
+        )
+    )
+    m = t.step()
+    assert m["faults/skipped_updates"] == 0 and m["val/loss"] == 0.0
+
+
 def test_bad_prompt_rows_get_clear_errors(tmp_path):
     from rlhflab import models as M
     from rlhflab.presets import preset_path

@@ -38,6 +38,7 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "rloo_advantages",
+    "scale_by_running_std",
     "shape_rewards",
 ]
 
@@ -116,6 +117,15 @@ def masked_whiten(
     if not shift_mean:
         whitened = whitened + mean
     return torch.where(m, whitened, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def scale_by_running_std(x: torch.Tensor, var: float, eps: float = 1e-8) -> torch.Tensor:
+    """x / sqrt(var + eps): scores divided by the running std, not shifted (MOSS's reward
+    scaling; ppo-details §4.6). ``var`` is the running variance (a float); ``eps`` keeps a
+    zero variance from dividing by zero."""
+    if not var >= 0:
+        raise ValueError(f"var must be >= 0, got {var}")
+    return x / math.sqrt(var + eps)
 
 
 # --------------------------------------------------------------------------- log-probs, entropy, KL

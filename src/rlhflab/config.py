@@ -137,7 +137,8 @@ class RewardConfig:
     normalize: str = setting(
         "none",
         "Score normalisation before shaping: 'batch' whitens scores over the rollout "
-        "batch, 'running' divides by a running std (MOSS), 'none' (N+, TRL; ppo-details §4.6).",
+        "batch, 'running' divides by the std of every score so far, over all ranks (MOSS; "
+        "left as they are until scores differ), 'none' (N+, TRL; ppo-details §4.6).",
         choices=("none", "batch", "running"),
     )
     clip: float | None = setting(

@@ -188,6 +188,20 @@ def global_moments(x: torch.Tensor, mask: torch.Tensor, ctx: DistContext):
     return mean.to(x.dtype), var.to(x.dtype)
 
 
+def global_batch_moments(x: torch.Tensor, ctx) -> tuple[int, float, float]:
+    """Count, mean and sum of squared deviations (float64) of every rank's ``x`` together,
+    for :meth:`rlhflab.rewards.RunningMoments.merge`; this rank's alone at world size 1.
+    Two reductions (the mean first, then the deviations from it), not a sum of squares,
+    which cancels catastrophically when the mean is large against the spread."""
+    x = x.double().reshape(-1)
+    n = ctx.all_sum(torch.tensor([float(x.numel())], dtype=torch.float64, device=x.device))[0]
+    if n.item() == 0:
+        return 0, 0.0, 0.0
+    mean = ctx.all_sum(x.sum().reshape(1))[0] / n
+    m2 = ctx.all_sum(((x - mean) ** 2).sum().reshape(1))[0]
+    return int(n.item()), mean.item(), m2.item()
+
+
 def decoder_layers(module: nn.Module) -> list[nn.Module]:
     """The transformer blocks of an HF model (``base_model.layers``), seen through rlhflab's
     PolicyWithValueHead / CriticValues wrappers."""

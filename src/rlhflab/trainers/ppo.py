@@ -21,6 +21,7 @@ from rlhflab import algorithms as A
 from rlhflab.cast import ModelCast, build_cast, load_policy_tokenizer
 from rlhflab.config import Config, ConfigError
 from rlhflab.distributed import (
+    global_batch_moments,
     global_moments,
     init_distributed,
     rank_split,
@@ -400,8 +401,10 @@ class PPOTrainer(PPOEpochs, PPOWatch, CheckpointedRun):
             every = torch.ones_like(scores, dtype=torch.bool)
             scores = A.masked_whiten(scores, every, moments=self._moments(scores, every))
         elif mode == "running":
-            self.moments.update(scores[torch.isfinite(scores)])
-            scores = scores / self.moments.std
+            # moments over every rank's scores: each rank scales by the same number
+            finite = scores[torch.isfinite(scores)]
+            self.moments.merge(*global_batch_moments(finite, self.ctx))
+            scores = A.scale_by_running_std(scores, self.moments.var)
         if clip is not None:
             scores = scores.clamp(-clip, clip)
         return scores
