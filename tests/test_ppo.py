@@ -323,6 +323,30 @@ def test_running_normalisation_of_a_batch_of_equal_scores_trains(tmp_path):
     assert m["faults/skipped_updates"] == 0 and m["val/loss"] == 0.0
 
 
+def test_a_huge_critic_gradient_leaves_the_policy_update_alone(tmp_path):
+    # one clip over both models' joint norm let the critic's gradient shrink the policy's
+    # step; each model is clipped by its own norm (veRL, OpenRLHF)
+    policies, rows = [], []
+    for scale in (1.0, 1e6):
+        t = PPOTrainer(
+            make_cfg(
+                tmp_path,
+                "ppo.iterations=1",
+                "ppo.epochs=1",
+                "ppo.minibatches=1",
+                "monitor.enabled=false",
+                f"log.output_dir={tmp_path / str(scale)}",
+            )
+        )
+        for q in t.cast.critic.parameters():
+            q.register_hook(lambda g, s=scale: g * s)
+        rows.append(t.step())
+        policies.append([q.detach().clone() for q in t.cast.policy.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*policies))
+    assert rows[1]["val/grad_norm"] == pytest.approx(1e6 * rows[0]["val/grad_norm"], rel=1e-4)
+    assert rows[1]["policy/grad_norm"] == rows[0]["policy/grad_norm"] > 0
+
+
 def test_bad_prompt_rows_get_clear_errors(tmp_path):
     from rlhflab import models as M
     from rlhflab.presets import preset_path

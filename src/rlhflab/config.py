@@ -226,8 +226,8 @@ class PPOConfig:
         "Update each weight with AdamW as soon as its gradient is complete in the backward "
         "pass and free that gradient, so a trained model's gradients are never all held "
         "at once (at 25M parameters: −200 MiB peak with a separate critic, "
-        "docs/benchmarks.md). Same updates bit for bit. Needs max_grad_norm null (a global "
-        "clip needs every gradient first), one micro-batch per minibatch and a single "
+        "docs/benchmarks.md). Same updates bit for bit. Needs max_grad_norm null (a clip "
+        "needs all of a model's gradients first), one micro-batch per minibatch and a single "
         "process. The guard then holds back only tensors whose gradient is not finite (the "
         "rest are already updated, and their AdamW step counts advance while the "
         "learning-rate schedule does not, as for any skipped update), and a non-finite value "
@@ -327,7 +327,13 @@ class PPOConfig:
     )
     warmup_steps: int = setting(0, "Linear learning-rate warm-up, in optimiser steps.", low=0)
     max_grad_norm: float | None = setting(
-        1.0, "Global gradient-norm clip (verl, OpenRLHF 1.0).", low=0.0, low_open=True
+        1.0,
+        "Gradient-norm clip, applied to each trained model on its own: the policy (with a "
+        "shared backbone, its value head too) and a separate critic, as verl and OpenRLHF "
+        "(1.0) do, so a large critic gradient never shrinks the policy's step. Both norms "
+        "are logged (policy/grad_norm, val/grad_norm). None: no clip.",
+        low=0.0,
+        low_open=True,
     )
     adam_eps: float = setting(1e-5, "Adam ε (OAI19, N+, CleanRL use 1e-5).", low=0.0, low_open=True)
     weight_decay: float = setting(0.0, "AdamW weight decay.", low=0.0)
@@ -628,8 +634,9 @@ def validate(cfg: Config, stage: str = "ppo") -> Config:
     if cfg.ppo.step_in_backward:
         if cfg.ppo.max_grad_norm is not None:
             raise ConfigError(
-                "ppo.step_in_backward: a global gradient-norm clip needs every gradient before "
-                f"any update; set ppo.max_grad_norm to null (it is {cfg.ppo.max_grad_norm})"
+                "ppo.step_in_backward: a gradient-norm clip needs all of a model's gradients "
+                "before any of its weights is updated; set ppo.max_grad_norm to null (it is "
+                f"{cfg.ppo.max_grad_norm})"
             )
         if cfg.ppo.micro_batch_size is not None and cfg.ppo.micro_batch_size != mb:
             raise ConfigError(

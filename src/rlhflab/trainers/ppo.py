@@ -64,10 +64,14 @@ METRICS = {
     "policy/ratio_mean": "mean ρ over minibatches (should stay ≈ 1)",
     "policy/ratio_max": "largest ρ seen in the iteration",
     "policy/loss": "policy loss, mean over minibatches",
+    "policy/grad_norm": "the policy's gradient norm before its clip (ppo.max_grad_norm, applied "
+    "to each model on its own; with a shared backbone, value head included), mean over "
+    "minibatches",
     "val/loss": "value loss, mean over minibatches",
     "val/clipfrac": "fraction of tokens where the value clip binds (|V − V_old| > "
     "ppo.value_clip) and the clipped error is the larger",
     "val/explained_variance": "1 − Var(R − V_old)/Var(R) over response tokens",
+    "val/grad_norm": "a separate critic's gradient norm before its own clip, mean over minibatches",
     "response/length_mean": "mean answer length in tokens (EOS included)",
     "response/length_max": "longest answer in tokens",
     "response/eos_rate": "fraction of answers that ended with EOS",

@@ -17,7 +17,7 @@ import torch
 from rlhflab import algorithms as A
 from rlhflab import losses as L
 from rlhflab.distributed import accumulate
-from rlhflab.optim import UpdateInBackward
+from rlhflab.optim import UpdateInBackward, clip_grad_norms
 from rlhflab.rollout import Rollout, answer_values, policy_outputs
 from rlhflab.trainers.common import TrainingHalted
 
@@ -124,6 +124,7 @@ class PPOEpochs:
                         )
                     self.ratio_max = max(self.ratio_max, pg_stats["ratio_max"].item())
                 if self._apply_update(finite):
+                    mb_stats.update(self.grad_norms)
                     if self.first_minibatch is None:
                         self.first_minibatch = dict(mb_stats)
                     for k, v in mb_stats.items():
@@ -214,26 +215,27 @@ class PPOEpochs:
         p = self.cfg.ppo
         return L.value_loss(values, ro.values[i], returns[i], m, p.value_clip, p.loss_agg, **agg)
 
-    def _trainable(self):
-        params = [q for q in self.cast.policy.parameters() if q.requires_grad]
-        if self.cast.critic is not None:
-            params += list(self.cast.critic.parameters())
-        return params
+    def _norm_names(self) -> list[str]:
+        """The logged gradient-norm name of each optimiser, in (policy, critic) order: a
+        shared backbone's value head is part of the policy's model and of its norm."""
+        return ["policy/grad_norm"] + (["val/grad_norm"] if self.critic_opt else [])
 
     def _apply_update(self, loss_finite: bool) -> bool:
-        """Clip and step, unless the loss or a gradient is not finite (then skip and count)."""
+        """Clip each model by its own gradient norm and step, unless the loss or a gradient
+        is not finite (then skip and count). The norms go to ``self.grad_norms``."""
         p = self.cfg.ppo
         cause = None if loss_finite else "loss"
+        self.grad_norms = {}
         if self.in_backward is not None:  # the optimisers already ran, inside the backward
             return self._finish_update_in_backward(cause)
         if cause is None:
-            params = self._trainable()
-            norm = torch.nn.utils.clip_grad_norm_(
-                params, p.max_grad_norm if p.max_grad_norm is not None else math.inf
-            )
-            if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor holding the global norm
-                norm = norm.full_tensor()
-            if not torch.isfinite(norm):
+            opts = [o for o in (self.opt, self.critic_opt) if o is not None]
+            models = {
+                name: [q for g in opt.param_groups for q in g["params"]]
+                for name, opt in zip(self._norm_names(), opts)
+            }
+            self.grad_norms = clip_grad_norms(models, p.max_grad_norm)
+            if not all(math.isfinite(n) for n in self.grad_norms.values()):
                 cause = "gradient"
         if cause is not None:
             self.opt.zero_grad(set_to_none=True)
@@ -253,6 +255,7 @@ class PPOEpochs:
         """ppo.step_in_backward: every tensor with a finite gradient has been updated;
         count the update as skipped if a loss or a gradient was not finite."""
         found_inf = self.in_backward.found_inf
+        self.grad_norms = dict(zip(self._norm_names(), self.in_backward.grad_norms()))
         self.in_backward.reset()
         if cause is None and found_inf is not None and bool(found_inf):
             cause = "gradient"
