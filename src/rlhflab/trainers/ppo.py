@@ -64,14 +64,12 @@ METRICS = {
     "policy/ratio_mean": "mean ρ over minibatches (should stay ≈ 1)",
     "policy/ratio_max": "largest ρ seen in the iteration",
     "policy/loss": "policy loss, mean over minibatches",
-    "policy/grad_norm": "the policy's gradient norm before its clip (ppo.max_grad_norm, applied "
-    "to each model on its own; with a shared backbone, value head included), mean over "
-    "minibatches",
+    "policy/grad_norm": "policy gradient norm before its own clip (a shared value head in it)",
     "val/loss": "value loss, mean over minibatches",
     "val/clipfrac": "fraction of tokens where the value clip binds (|V − V_old| > "
     "ppo.value_clip) and the clipped error is the larger",
     "val/explained_variance": "1 − Var(R − V_old)/Var(R) over response tokens",
-    "val/grad_norm": "a separate critic's gradient norm before its own clip, mean over minibatches",
+    "val/grad_norm": "a separate critic's gradient norm before its own clip",
     "response/length_mean": "mean answer length in tokens (EOS included)",
     "response/length_max": "longest answer in tokens",
     "response/eos_rate": "fraction of answers that ended with EOS",
@@ -96,15 +94,10 @@ class PPOTrainer(PPOEpochs, PPOWatch, CheckpointedRun):
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.ctx = init_distributed(cfg.device)
-        # each rank's share of the rollout, before any model is loaded: ppo.minibatches
-        # optimiser steps per epoch on every rank, whatever the world size
-        self.minibatch_size = rank_split(
-            cfg.rollout.prompts_per_iteration,
-            self.ctx.world,
-            cfg.ppo.minibatches,
-            cfg.ppo.micro_batch_size,
-            self._group_size(),
-        )
+        # checked before any model loads: ppo.minibatches steps per epoch on every rank
+        r, p = cfg.rollout, cfg.ppo
+        args = (r.prompts_per_iteration, self.ctx.world, p.minibatches, p.micro_batch_size)
+        self.minibatch_size = rank_split(*args, self._group_size())
         # the prompts first, with the policy's tokenizer alone: a bad data file is reported
         # in seconds, not after four models have been loaded
         tokenizer = cast.tokenizer if cast is not None else load_policy_tokenizer(cfg)
@@ -112,7 +105,6 @@ class PPOTrainer(PPOEpochs, PPOWatch, CheckpointedRun):
         device = self.ctx.device if self.ctx.enabled else None
         self.cast = cast or build_cast(cfg, device, tokenizer)
         self.device = self.cast.device
-        p = cfg.ppo
         self._setup_parallel()
         total_steps = p.iterations * p.epochs * p.minibatches
         groups = [
