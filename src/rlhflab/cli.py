@@ -229,6 +229,10 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
     errors: list[type[BaseException]] = [ConfigError, ModelLoadError, RewardError]
     errors.append(TrainingHalted)  # a non-finite loss: the message says what to lower
+    from rlhflab.checkpoint import CheckpointError
+    from rlhflab.runlog import RunLogError
+
+    errors += [CheckpointError, RunLogError]  # a run directory damaged past resuming
     try:
         from rlhflab.data import DataError
 

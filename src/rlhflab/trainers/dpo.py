@@ -165,8 +165,8 @@ class DPOTrainer:
 
     def fit(self, resume: bool = False) -> dict:
         cfg, resume_step = self.cfg, None
-        if resume and (ckpts := C.list_checkpoints(self.run_dir)):
-            self.load_state_dict(C.load_checkpoint(ckpts[-1], self._cast))
+        if resume and (last := C.latest_checkpoint(self.run_dir, set_aside=True)):
+            self.load_state_dict(C.load_checkpoint(last, self._cast))
             resume_step = self.iteration
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
