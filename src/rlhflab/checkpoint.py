@@ -10,13 +10,17 @@ own file so that a sharded (FSDP) resume reads them on rank 0 alone and the othe
 read only the small ``state.pt`` (``trainers/runstate.py``); checkpoints written before
 2026-12-05 hold them inside ``state.pt``, and load as before.
 A checkpoint is written under ``step-N.tmp`` and renamed when complete, so a run killed at
-any moment leaves only complete checkpoints behind.
+any moment leaves only complete checkpoints behind; one damaged all the same is skipped on
+resume in favour of the one before (:func:`latest_checkpoint`).
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import re
 import shutil
+import struct
 from pathlib import Path
 
 import torch
@@ -24,6 +28,8 @@ from safetensors.torch import load_file, save_file
 
 from rlhflab.models import PolicyWithValueHead
 from rlhflab.native_models import iter_safetensors
+
+log = logging.getLogger(__name__)
 
 _STEP = re.compile(r"^step-(\d+)$")
 # the keys of a trainer's state that go to optimizer.pt (whichever of them it has)
@@ -93,6 +99,75 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
         return []
     found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP.match(p.name))]
     return [p for _, p in sorted(found)]
+
+
+class CheckpointError(ValueError):
+    """No checkpoint of a run can be resumed from; the message names each and why."""
+
+
+def checkpoint_fault(path: Path) -> str | None:
+    """Why the checkpoint folder ``path`` cannot be resumed from, or None when it is whole.
+
+    The rename makes a checkpoint appear only once written, but a disk that filled up, a
+    copy cut short or a power loss before the data reached the disk can still leave one
+    with missing or truncated files. Checked cheaply, before any weight is loaded (a failed
+    load would leave the models half-overwritten): each ``.pt`` opens (its zip directory is
+    at the end of the file), each ``.json`` parses and each ``.safetensors`` file is as
+    long as its header says.
+    """
+    if not (path / "state.pt").is_file():
+        return "no state.pt"
+    if not list((path / "policy").glob("*.safetensors")):
+        return "no policy weights"
+    for f in sorted(path.rglob("*")):
+        try:
+            if f.suffix == ".pt":
+                torch.load(f, weights_only=True, mmap=True)
+            elif f.suffix == ".json":
+                json.loads(f.read_bytes().decode("utf-8"))
+            elif f.suffix == ".safetensors" and not _safetensors_whole(f):
+                return f"{f.relative_to(path)} is shorter than its header says"
+        except Exception as exc:  # noqa: BLE001 - any failure to read means: not this one
+            return f"{f.relative_to(path)} is unreadable ({type(exc).__name__})"
+    return None
+
+
+def _safetensors_whole(f: Path) -> bool:
+    with open(f, "rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(n))
+    header.pop("__metadata__", None)
+    end = max((info["data_offsets"][1] for info in header.values()), default=0)
+    return f.stat().st_size >= 8 + n + end
+
+
+def latest_checkpoint(run_dir: Path, set_aside: bool = False) -> Path | None:
+    """The newest checkpoint that is whole (:func:`checkpoint_fault`), or None when the
+    run has none. A damaged one is skipped with a warning; with ``set_aside`` (the process
+    that writes the run's files) it is renamed ``step-N.corrupt``, kept for a look but out
+    of the way: left in place, ``log.keep_last`` would count it and could delete the good
+    checkpoints the resumed run writes before it. Raises CheckpointError when there are
+    checkpoints but none is whole: starting afresh would discard the run."""
+    ckpts = list_checkpoints(run_dir)
+    faults = []
+    for path in reversed(ckpts):
+        fault = checkpoint_fault(path)
+        if fault is None:
+            if faults:
+                log.warning("resuming from %s", path)
+            return path
+        faults.append(f"{path.name}: {fault}")
+        log.warning("checkpoint %s is damaged (%s); trying the one before", path, fault)
+        if set_aside:
+            aside = path.with_name(path.name + ".corrupt")
+            shutil.rmtree(aside, ignore_errors=True)
+            path.rename(aside)
+    if faults:
+        raise CheckpointError(
+            f"--resume: no checkpoint in {Path(run_dir) / 'checkpoints'} is whole "
+            f"({'; '.join(faults)})"
+        )
+    return None
 
 
 def read_weights(folder: Path, name: str | None = None) -> dict:

@@ -2,8 +2,8 @@
 
 Every command that takes ``--config FILE`` also takes dotted overrides after it, e.g.
 ``rlhflab ppo --config examples/tiny_ppo.yaml ppo.lr=3e-5 rollout.max_new_tokens=16``.
-Known user errors (bad config, data, model folder, reward function) print one clear line
-and exit with status 2 — never a bare traceback.
+Known user errors (bad config, data, model folder, reward function, a training run halted
+on a loss that is not finite) print one clear line and exit with status 2 — never a bare traceback.
 """
 
 from __future__ import annotations
@@ -225,8 +225,14 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from rlhflab.configbase import ConfigError
     from rlhflab.models import ModelLoadError
     from rlhflab.rewards import RewardError
+    from rlhflab.trainers.common import TrainingHalted
 
     errors: list[type[BaseException]] = [ConfigError, ModelLoadError, RewardError]
+    errors.append(TrainingHalted)  # a non-finite loss: the message says what to lower
+    from rlhflab.checkpoint import CheckpointError
+    from rlhflab.runlog import RunLogError
+
+    errors += [CheckpointError, RunLogError]  # a run directory damaged past resuming
     try:
         from rlhflab.data import DataError
 

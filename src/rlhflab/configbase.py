@@ -8,6 +8,7 @@ Errors always name the full dotted field (``ppo.clip_low``), never a bare traceb
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -94,6 +95,23 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
     return value
 
 
+def _check_finite(value: Any, name: str) -> None:
+    """Reject NaN and ±inf in any float setting, in lists and mappings too.
+
+    NaN passes every bound (all comparisons with it are false) and an infinite learning rate
+    or coefficient only shows up as a halted run later. No setting takes infinity to mean
+    "never" or "off": that is null (None) wherever a field allows it.
+    """
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{name}: must be a finite number, got {value!r}")
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_finite(v, f"{name}[{i}]")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_finite(v, f"{name}.{k}")
+
+
 def _check_bounds(value: Any, meta: dict, name: str) -> None:
     if value is None:
         return
@@ -126,6 +144,7 @@ def build(cls: type, data: dict | None, prefix: str = "") -> Any:
             kwargs[key] = build(hints[key], value, name + ".")
         else:
             kwargs[key] = _coerce(value, hints[key], name)
+            _check_finite(kwargs[key], name)
     obj = cls(**kwargs)
     for f in dataclasses.fields(cls):
         if not f.metadata.get("section"):
@@ -163,9 +182,17 @@ def load(
     data: dict = _deep_copy(base or {})
     if path is not None:
         try:
-            text = Path(path).read_text(encoding="utf-8")
+            raw = Path(path).read_bytes()
         except OSError as exc:
             raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            line = raw.count(b"\n", 0, exc.start) + 1
+            raise ConfigError(
+                f"{path}:{line}: not valid UTF-8 (byte 0x{raw[exc.start]:02x}); "
+                "save the file as UTF-8"
+            ) from None
         try:
             loaded = yaml.safe_load(text) or {}
         except yaml.YAMLError as exc:

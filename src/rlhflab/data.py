@@ -9,6 +9,7 @@ and the field — or, with ``on_bad_row='skip'``, dropped and counted.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import logging
 from collections.abc import Iterator
@@ -22,45 +23,133 @@ class DataError(ValueError):
     """Bad input data; the message names the file, line and field."""
 
 
-def iter_rows(path: str | Path) -> Iterator[tuple[int, dict]]:
+def iter_rows(path: str | Path) -> Iterator[tuple[int, dict | DataError]]:
     """(line number, row) pairs. JSONL lines and CSV rows are numbered as a text editor shows
-    them (CSV: the header is line 1); Parquet rows from 1."""
+    them (CSV: the header is line 1); Parquet rows from 1. A JSONL line that cannot be read
+    (not UTF-8, not JSON, not an object) comes as a :class:`DataError` in place of its row,
+    so that ``on_bad_row='skip'`` can drop it; a file that cannot be read at all raises."""
     path = Path(path)
     if not path.exists():
         raise DataError(f"{path}: no such file")
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".json"):
-        with path.open(encoding="utf-8") as f:
-            for n, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    yield n, DataError(f"{path}:{n}: not valid JSON ({exc.msg})")
-                    continue
-                yield (
-                    n,
-                    row
-                    if isinstance(row, dict)
-                    else DataError(f"{path}:{n}: expected a JSON object, got {type(row).__name__}"),
-                )
+        yield from _jsonl_rows(path)
     elif suffix == ".csv":
-        with path.open(encoding="utf-8", newline="") as f:
-            reader = csv.DictReader(f)
-            for row in reader:
-                yield reader.line_num, row
+        yield from _csv_rows(path)
     elif suffix == ".parquet":
-        try:
-            import pyarrow.parquet as pq
-        except ImportError:
-            raise DataError(
-                f"{path}: reading Parquet needs pyarrow (pip install 'rlhflab[data]')"
-            ) from None
-        for n, row in enumerate(pq.read_table(path).to_pylist(), start=1):
-            yield n, row
+        yield from _parquet_rows(path)
     else:
         raise DataError(f"{path}: unsupported file type {suffix!r}; use .jsonl, .csv or .parquet")
+
+
+def _utf8_error(path: Path, line: int, exc: UnicodeDecodeError, line_start: int = 0) -> DataError:
+    """``exc.start`` is a byte offset into the decoded bytes; ``line_start`` that of the line."""
+    column = exc.start - line_start + 1
+    return DataError(
+        f"{path}:{line}: not valid UTF-8 (byte 0x{exc.object[exc.start]:02x} at column {column})"
+    )
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict | DataError]]:
+    # read as bytes and decode line by line: a bad byte then names its line, and only that
+    # line is lost (a text-mode file raises from inside the iteration, with no line number)
+    with path.open("rb") as f:
+        for n, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield n, _utf8_error(path, n, exc)
+                continue
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                yield n, DataError(f"{path}:{n}: not valid JSON ({exc.msg})")
+                continue
+            if not isinstance(row, dict):
+                row = DataError(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
+            yield n, row
+
+
+def _csv_rows(path: Path) -> Iterator[tuple[int, dict]]:
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        start = raw.rfind(b"\n", 0, exc.start) + 1
+        raise _utf8_error(path, raw.count(b"\n", 0, exc.start) + 1, exc, start) from None
+    # The csv module reads a quote that never closes as one field running to the end of
+    # the file: every later row would silently become part of one long prompt.
+    opened = unclosed_quote_line(text)
+    if opened is not None:
+        raise DataError(
+            f"{path}:{opened}: a quote opened here is never closed (the rest of the file "
+            "would be read as one field)"
+        )
+    reader = csv.DictReader(io.StringIO(text, newline=""))
+    try:
+        for row in reader:
+            yield reader.line_num, row
+    except csv.Error as exc:  # e.g. a NUL byte, a field over the size limit
+        raise DataError(f"{path}:{reader.line_num}: not valid CSV ({exc})") from None
+
+
+def unclosed_quote_line(text: str, delimiter: str = ",", quote: str = '"') -> int | None:
+    """The line (1-based) where a quoted CSV field opens that never closes, or None.
+
+    Follows the csv module's default dialect: a quote opens a quoted field only at the start
+    of a field; inside one, a doubled quote is a literal quote and any other quote closes it.
+    """
+    line, opened_at, state = 1, 0, "start"  # start | plain | quoted | quote_in_quoted
+    for ch in text:
+        if state == "quoted":
+            if ch == quote:
+                state = "quote_in_quoted"
+        elif state == "quote_in_quoted" and ch == quote:
+            state = "quoted"  # a doubled quote: a literal quote, still inside the field
+        elif ch in (delimiter, "\n"):
+            state = "start"
+        elif ch == quote and state == "start":
+            state, opened_at = "quoted", line
+        else:
+            state = "plain"  # after a closing quote, the csv module reads on as plain text
+        if ch == "\n":
+            line += 1
+    return opened_at if state == "quoted" else None
+
+
+def _parquet_rows(path: Path) -> Iterator[tuple[int, dict | DataError]]:
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(
+            f"{path}: reading Parquet needs pyarrow (pip install 'rlhflab[data]')"
+        ) from None
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise DataError(f"{path}: not a readable Parquet file ({exc})") from None
+    n = 0
+    for batch in table.to_batches(max_chunksize=1024):
+        try:
+            rows = batch.to_pylist()
+        except UnicodeDecodeError:
+            rows = None  # a string that is not UTF-8 somewhere in this batch: find it
+        for i in range(batch.num_rows):
+            n += 1
+            yield n, rows[i] if rows is not None else _parquet_row(path, batch, i, n)
+
+
+def _parquet_row(path: Path, batch, i: int, n: int) -> dict | DataError:
+    row = {}
+    for name, column in zip(batch.schema.names, batch.columns):
+        try:
+            row[name] = column[i].as_py()
+        except UnicodeDecodeError:
+            return DataError(f"{path}:{n}: not valid UTF-8 in field '{name}'")
+    return row
 
 
 @dataclass
@@ -171,8 +260,13 @@ def load_preferences(path) -> list[PreferencePair]:
             if not isinstance(row[key], str) or (key != "prompt" and not row[key].strip()):
                 raise DataError(f"{path}:{n}: field '{key}' must be a non-empty string")
         labels = row.get("labels") or {}
-        if isinstance(labels, str):
-            labels = json.loads(labels)
+        if isinstance(labels, str):  # CSV cells hold JSON text
+            try:
+                labels = json.loads(labels)
+            except json.JSONDecodeError as exc:
+                raise DataError(
+                    f"{path}:{n}: field 'labels' is not a JSON object ({exc.msg})"
+                ) from None
         if not isinstance(labels, dict) or not all(
             isinstance(v, (int, float)) and 0 <= v <= 1 for v in labels.values()
         ):

@@ -9,11 +9,10 @@ config, the alerts, and sample answers with their scores.
 from __future__ import annotations
 
 import html
-import json
 import math
 from pathlib import Path
 
-from rlhflab.runlog import read_jsonl
+from rlhflab.runlog import read_json, read_jsonl
 
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#17becf")
 W, H, PAD = 460, 220, 42
@@ -105,9 +104,9 @@ def build_report(run_dir: str | Path) -> Path:
     samples = read_jsonl(run / "samples.jsonl") if (run / "samples.jsonl").exists() else []
     config = (run / "config.yaml").read_text() if (run / "config.yaml").exists() else ""
     summary_path = run.parent / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
+    summary = read_json(summary_path) if summary_path.exists() else None
     compare_path = run.parent / "compare.json"
-    compare = json.loads(compare_path.read_text()) if compare_path.exists() else None
+    compare = read_json(compare_path) if compare_path.exists() else None
 
     charts = [
         line_chart(
@@ -221,7 +220,9 @@ def _reward_model_checks(config_text: str) -> str:
         return ""
     from rlhflab.rm_checks import gold_warning, length_warning
 
-    checks = json.loads(path.read_text())
+    checks = read_json(path)
+    if not isinstance(checks, dict):
+        return ""
     keys = ("accuracy", "calibration_error", "longer_preferred")
     keys += ("longer_preferred_by_labels", "score_length_corr")
 

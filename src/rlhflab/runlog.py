@@ -1,11 +1,18 @@
 """The run directory's logs: metrics.jsonl every iteration, samples.jsonl, and optional
-TensorBoard / Weights & Biases mirrors. Only this module knows where metrics go."""
+TensorBoard / Weights & Biases mirrors. Only this module knows where metrics go.
+
+A run killed (or a machine losing power) while a line is being appended leaves that last
+line cut short. Every reader of these files — and of the JSON files a run writes beside
+them — goes through :func:`read_jsonl_lines` / :func:`read_json`, which skip such a torn
+tail with a warning and keep every complete line.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
 import math
+import os
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -57,14 +64,14 @@ class RunLog:
 
     @staticmethod
     def _truncate_after(path: Path, step: int) -> None:
+        """Keep the complete lines up to iteration ``step`` (a torn tail goes too, so new
+        lines start on a line of their own); replaced in one rename, never half-written."""
         if not path.exists():
             return
-        keep = [
-            ln
-            for ln in path.read_text(encoding="utf-8").splitlines()
-            if ln.strip() and json.loads(ln).get("iteration", 0) <= step
-        ]
-        path.write_text("".join(ln + "\n" for ln in keep), encoding="utf-8")
+        keep = [ln for ln, row in read_jsonl_lines(path) if row.get("iteration", 0) <= step]
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(ln + "\n" for ln in keep), encoding="utf-8")
+        os.replace(tmp, path)
 
     def metrics(self, iteration: int, values: dict) -> None:
         row = {"iteration": iteration, **{k: _finite_or_none(v) for k, v in values.items()}}
@@ -96,5 +103,55 @@ class RunLog:
             self.wandb.finish()
 
 
+class RunLogError(ValueError):
+    """A run-directory file damaged other than by a crash; the message names file and line."""
+
+
+def read_jsonl_lines(path: Path) -> list[tuple[str, dict]]:
+    """(line text, row) of every complete line of a JSONL log, in order.
+
+    The last line, if not a whole JSON object (cut mid-write: possibly mid-character), is
+    skipped with a warning. A bad line anywhere else is no crash's doing: RunLogError.
+    """
+    path = Path(path)
+    lines = path.read_bytes().split(b"\n")
+    last = max((i for i, raw in enumerate(lines) if raw.strip()), default=-1)
+    out = []
+    for i, raw in enumerate(lines):
+        if not raw.strip():
+            continue
+        try:
+            text = raw.decode("utf-8")
+            row = json.loads(text)
+            if not isinstance(row, dict):
+                raise ValueError("not an object")
+        except ValueError:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            if i != last:
+                raise RunLogError(
+                    f"{path}:{i + 1}: not a complete JSON object, and not the last line "
+                    "(a crash cuts only the last); the file is damaged"
+                ) from None
+            log.warning(
+                "%s:%d: the last line is cut short (the run was stopped while writing it?); "
+                "skipped",
+                path,
+                i + 1,
+            )
+            continue
+        out.append((text, row))
+    return out
+
+
 def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(ln) for ln in Path(path).read_text(encoding="utf-8").splitlines() if ln]
+    """Every complete row of a JSONL log (a torn last line skipped with a warning)."""
+    return [row for _, row in read_jsonl_lines(path)]
+
+
+def read_json(path: Path):
+    """A JSON file a run wrote (summary.json, compare.json, rm_checks.json), or None with a
+    warning when it is missing its end or otherwise unreadable: the reader goes on without."""
+    try:
+        return json.loads(Path(path).read_bytes().decode("utf-8"))
+    except (OSError, ValueError) as exc:
+        log.warning("%s: unreadable, cut short by a crash? (%s); left out", path, exc)
+        return None

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -13,7 +15,34 @@ from rlhflab.optim import FusedAdamW, LambdaSchedule
 
 
 class TrainingHalted(RuntimeError):
-    """The run stopped on purpose (repeated non-finite updates, a monitor); message says why."""
+    """The run stopped on purpose: a loss, gradient or reward that is not finite (raised by
+    :meth:`Halt.error` in every trainer). A user error: the command prints the message, one
+    line, and exits 2; the last good state is on disk as the message says."""
+
+
+@dataclass(frozen=True)
+class Halt:
+    """How a trainer stops on a value that is not finite: one rule for every trainer.
+
+    The message names the trainer's step, what was not finite, the setting to lower and
+    ``kept()``: what the run leaves behind intact (called at the halt, so a checkpoint
+    written just before is named). Nothing is updated after a non-finite value is seen.
+    """
+
+    trainer: str  # as the message names it: "SFT", "RM", "DPO", "PPO"
+    setting: str  # the learning rate to lower: "sft.lr"
+    kept: Callable[[], str]
+    unit: str = "step"
+
+    def error(self, step: int, what: str, hint: str = "") -> TrainingHalted:
+        return TrainingHalted(
+            f"{self.trainer} {self.unit} {step}: non-finite {what}; lower {self.setting}{hint}. "
+            f"{self.kept()}"
+        )
+
+    def check(self, value: torch.Tensor, step: int, what: str) -> None:
+        if not bool(torch.isfinite(value).all()):
+            raise self.error(step, what)
 
 
 def build_optimizer(groups: list[dict], p):
@@ -63,10 +92,18 @@ def build_optimizer_simple(params, lr: float):
     return _adamw([{"params": list(params)}], lr=lr)
 
 
-def supervised_step(model, opt, sched, loss: torch.Tensor, max_norm: float = 1.0) -> float:
-    """Backward, clip, step and clear for the supervised stages; returns the loss value."""
+def supervised_step(
+    model, opt, sched, loss: torch.Tensor, step: int, halt: Halt, max_norm: float = 1.0
+) -> float:
+    """Backward, clip, step and clear for SFT, RM and DPO; returns the loss value. A loss or
+    gradient that is not finite raises ``halt``'s error before the weights change (a NaN
+    gradient would make every weight NaN and the next loss too)."""
+    halt.check(loss, step, "loss")
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if not bool(torch.isfinite(norm)):
+        opt.zero_grad(set_to_none=True)
+        raise halt.error(step, "gradient")
     opt.step()
     sched.step()
     opt.zero_grad(set_to_none=True)

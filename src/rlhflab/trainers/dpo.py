@@ -31,10 +31,11 @@ from rlhflab.distributed import resolve_device
 from rlhflab.lean import make_activations_lean
 from rlhflab.runlog import RunLog
 from rlhflab.trainers.common import (
-    TrainingHalted,
+    Halt,
     build_optimizer_simple,
     build_scheduler,
     progress,
+    supervised_step,
 )
 from rlhflab.trainers.rm import builtin_pairs
 from rlhflab.trainers.sft import encode_pairs
@@ -98,6 +99,7 @@ class DPOTrainer:
         self.gens = {"batch": torch.Generator().manual_seed(cfg.seed)}
         self.iteration = 0
         self.run_dir = Path(cfg.log.output_dir)
+        self.halt = Halt("DPO", "dpo.lr", self._last_checkpoint)
         # the checkpoint code saves a "cast": the policy and no critic
         self._cast = SimpleNamespace(
             policy=self.policy, policy_lm=self.policy, critic=None, tokenizer=self.tokenizer
@@ -124,15 +126,11 @@ class DPOTrainer:
             d.label_smoothing,
         )
         loss = losses.mean()
-        if not torch.isfinite(loss):
-            raise TrainingHalted(f"DPO step {self.iteration + 1}: non-finite loss; lower dpo.lr")
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.policy.parameters(), 1.0)
-        self.opt.step()
-        self.sched.step()
-        self.opt.zero_grad(set_to_none=True)
+        value = supervised_step(
+            self.policy, self.opt, self.sched, loss, self.iteration + 1, self.halt
+        )
         return {
-            "loss": loss.item(),
+            "loss": value,
             "rewards/chosen": rc.mean().item(),
             "rewards/rejected": rr.mean().item(),
             "rewards/margin": (rc - rr).mean().item(),
@@ -154,6 +152,12 @@ class DPOTrainer:
         self.sched.load_state_dict(s["sched"])
         C.restore_rng(s["rng"], self.gens)
 
+    def _last_checkpoint(self) -> str:
+        ckpts = C.list_checkpoints(self.run_dir)
+        if not ckpts:
+            return "No checkpoint was written yet (log.checkpoint_every)."
+        return f"The last complete checkpoint is {ckpts[-1]}."
+
     def save(self, step: int) -> Path:
         return C.save_checkpoint(
             self.run_dir, step, self._cast, self.state_dict(), self.cfg.log.keep_last
@@ -161,8 +165,8 @@ class DPOTrainer:
 
     def fit(self, resume: bool = False) -> dict:
         cfg, resume_step = self.cfg, None
-        if resume and (ckpts := C.list_checkpoints(self.run_dir)):
-            self.load_state_dict(C.load_checkpoint(ckpts[-1], self._cast))
+        if resume and (last := C.latest_checkpoint(self.run_dir, set_aside=True)):
+            self.load_state_dict(C.load_checkpoint(last, self._cast))
             resume_step = self.iteration
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))

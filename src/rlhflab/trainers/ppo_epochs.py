@@ -19,7 +19,7 @@ from rlhflab import losses as L
 from rlhflab.distributed import accumulate
 from rlhflab.optim import UpdateInBackward, clip_grad_norms
 from rlhflab.rollout import Rollout, answer_values, policy_outputs
-from rlhflab.trainers.common import TrainingHalted
+from rlhflab.trainers.common import Halt
 
 log = logging.getLogger(__name__)
 
@@ -280,8 +280,12 @@ class PPOEpochs:
         )
         if self.consecutive_bad >= self.cfg.ppo.max_bad_updates:
             path = self.save(self.iteration)  # weights are still the last good ones
-            raise TrainingHalted(
-                f"{self.consecutive_bad} updates in a row had a non-finite {cause}; stopped at "
-                f"iteration {self.iteration + 1} with the last good state in {path}. Try a lower "
-                "ppo.lr, reward.clip, or check the reward function for NaN/inf."
+            trainer = getattr(self, "estimator", "ppo").upper()
+            halt = Halt(
+                trainer, "ppo.lr", lambda: f"The last good state is in {path}.", "iteration"
+            )
+            raise halt.error(
+                self.iteration + 1,
+                f"{cause} in {self.consecutive_bad} updates in a row",
+                ", use reward.clip, or check the reward function for NaN/inf",
             )

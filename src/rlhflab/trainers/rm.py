@@ -29,6 +29,7 @@ from rlhflab.lean import make_activations_lean
 from rlhflab.rewards import FunctionReward, RewardBatch
 from rlhflab.rm_checks import gold_warning, length_warning, reward_checks
 from rlhflab.trainers.common import (
+    Halt,
     build_optimizer_simple,
     build_scheduler,
     progress,
@@ -287,6 +288,9 @@ def train_rm(cfg: Config) -> dict:
     sched = build_scheduler(opt, r.warmup_steps, r.steps, "cosine")
     gen = torch.Generator().manual_seed(cfg.seed)
     start, losses = time.perf_counter(), []
+    out = Path(r.output_dir)
+    # the model is written once, after the last step: a halt leaves the folder as it was
+    halt = Halt("RM", "rm.lr", lambda: f"Nothing was saved; {out} is as it was.")
     bar = progress(range(r.steps), cfg.log.progress, "RM")
     for step in bar:
         idx = torch.randint(len(train), (r.batch_size,), generator=gen)
@@ -299,14 +303,11 @@ def train_rm(cfg: Config) -> dict:
             r.margin,
             device,
         )
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"RM step {step + 1}: non-finite loss; lower rm.lr")
-        losses.append(supervised_step(model, opt, sched, loss))
+        losses.append(supervised_step(model, opt, sched, loss, step + 1, halt))
         if hasattr(bar, "set_postfix") and step % 10 == 0:
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
     checks = check_heldout(model, tokenizer, held, held_t, heads, cfg, device)
     accuracy = {h: checks[h]["accuracy"] for h in heads if checks[h]["pairs"]}
-    out = Path(r.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)

@@ -156,11 +156,12 @@ class CheckpointedRun:
         cfg, main = self.cfg, self.ctx.is_main
         resume_step = None
         if resume:
-            ckpts = C.list_checkpoints(self.run_dir)
-            if ckpts:
-                self._load(ckpts[-1])
+            # every rank picks the same (newest whole) checkpoint; rank 0 sets damaged aside
+            last = C.latest_checkpoint(self.run_dir, set_aside=main)
+            if last is not None:
+                self._load(last)
                 resume_step = self.iteration
-                log.info("resumed from %s", ckpts[-1])
+                log.info("resumed from %s", last)
             else:
                 log.info("--resume: no checkpoint in %s; starting fresh", self.run_dir)
         if main:

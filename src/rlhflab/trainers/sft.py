@@ -22,6 +22,7 @@ from rlhflab.data import DataError, iter_rows
 from rlhflab.distributed import resolve_device
 from rlhflab.lean import make_activations_lean
 from rlhflab.trainers.common import (
+    Halt,
     build_optimizer_simple,
     build_scheduler,
     progress,
@@ -103,16 +104,16 @@ def train_sft(cfg: Config) -> dict:
     sched = build_scheduler(opt, s.warmup_steps, s.steps, "cosine")
     gen = torch.Generator().manual_seed(cfg.seed)
     losses, start = [], time.perf_counter()
+    out = Path(s.output_dir)
+    # the model is written once, after the last step: a halt leaves the folder as it was
+    halt = Halt("SFT", "sft.lr", lambda: f"Nothing was saved; {out} is as it was.")
     bar = progress(range(s.steps), cfg.log.progress, "SFT")
     for step in bar:
         idx = torch.randint(len(pairs), (s.batch_size,), generator=gen).tolist()
         loss = response_nll(model, tokenizer, [pairs[i] for i in idx], device)
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"SFT step {step + 1}: non-finite loss; lower sft.lr")
-        losses.append(supervised_step(model, opt, sched, loss))
+        losses.append(supervised_step(model, opt, sched, loss, step + 1, halt))
         if hasattr(bar, "set_postfix") and step % 10 == 0:
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
-    out = Path(s.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)

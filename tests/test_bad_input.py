@@ -1,0 +1,143 @@
+"""Bad input files and settings end in one line naming the file, line or field (issue #24).
+
+Non-UTF-8 bytes in a prompt/pair/SFT file, a CSV quote that never closes, a float setting
+given as NaN or infinity: each must be reported, not read silently nor as a traceback.
+"""
+
+import json
+
+import pytest
+
+from rlhflab import models as M
+from rlhflab.cli import main
+from rlhflab.config import ConfigError, load_config
+from rlhflab.data import DataError, load_preferences, load_prompts
+from rlhflab.trainers.sft import load_sft_pairs
+
+BAD = b"\xff\xfe"  # never valid UTF-8
+PAIR = {"prompt": "copy: cat\nanswer:", "chosen": " cat", "rejected": " dog"}
+
+
+def write_pairs(path, bad_row: int = 3, rows: int = 4) -> None:
+    """``rows`` preference pairs in the format of ``path``'s suffix; the rejected answer of
+    row ``bad_row`` (1-based, counted as data rows) holds bytes that are not UTF-8."""
+    data = [dict(PAIR, rejected=f" dog{i}") for i in range(1, rows + 1)]
+    if path.suffix == ".jsonl":
+        lines = [json.dumps(r).encode() for r in data]
+        lines[bad_row - 1] = lines[bad_row - 1].replace(b"dog", b"dog" + BAD)
+        path.write_bytes(b"\n".join(lines) + b"\n")
+    elif path.suffix == ".csv":
+        lines = [b"prompt,chosen,rejected"] + [f"x{i},a,b{i}".encode() for i in range(rows)]
+        lines[bad_row] = lines[bad_row] + BAD  # line 1 is the header
+        path.write_bytes(b"\n".join(lines) + b"\n")
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        raw = [r["rejected"].encode() for r in data]
+        raw[bad_row - 1] += BAD
+        binary = pa.array(raw, type=pa.binary())
+        # a string column whose bytes are not UTF-8, as a foreign writer can leave it
+        rejected = pa.Array.from_buffers(pa.string(), len(raw), binary.buffers())
+        table = pa.table(
+            {
+                "prompt": [r["prompt"] for r in data],
+                "chosen": [r["chosen"] for r in data],
+                "rejected": rejected,
+            }
+        )
+        pq.write_table(table, path)
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv", ".parquet"])
+def test_non_utf8_bytes_name_the_file_and_line(tmp_path, suffix):
+    f = tmp_path / f"pairs{suffix}"
+    write_pairs(f)
+    # JSONL and CSV count lines as an editor shows them (CSV: the header is line 1)
+    line = {".jsonl": 3, ".csv": 4, ".parquet": 3}[suffix]
+    with pytest.raises(DataError, match=rf"pairs\{suffix}:{line}: not valid UTF-8"):
+        load_preferences(f)
+
+
+def test_non_utf8_bytes_in_prompt_and_sft_files(tmp_path):
+    from rlhflab.presets import preset_path
+
+    tok = M.load_tokenizer(preset_path("nano"))
+    f = tmp_path / "p.jsonl"
+    f.write_bytes(b'{"prompt": "a"}\n{"prompt": "b' + BAD + b'"}\n{"prompt": "c"}\n')
+    with pytest.raises(DataError, match=r"p\.jsonl:2: not valid UTF-8"):
+        load_prompts(f, tok, 64)
+    # one bad line is a bad row like any other: on_bad_row='skip' drops it and goes on
+    prompts, report = load_prompts(f, tok, 64, on_bad_row="skip")
+    assert prompts == ["a", "c"] and report.skipped == 1
+    s = tmp_path / "s.csv"
+    s.write_bytes(b"prompt,response\na,b\nc,d" + BAD + b"\n")
+    with pytest.raises(DataError, match=r"s\.csv:3: not valid UTF-8"):
+        load_sft_pairs(s)
+
+
+def test_unterminated_csv_quote_names_the_line_it_opened_on(tmp_path):
+    f = tmp_path / "pairs.csv"
+    # a quoted field may span lines (row 2); the quote opened on line 4 never closes
+    f.write_text(
+        'prompt,chosen,rejected\nx,a,b\n"two\nlines",a,b\ny,"oops,b\nz,a,b\nw,a,b\n',
+        encoding="utf-8",
+    )
+    with pytest.raises(DataError, match=r"pairs\.csv:5: a quote opened here is never closed"):
+        load_preferences(f)
+    f.write_text('prompt,chosen,rejected\n"two\nlines",a,"b ""q"""\n', encoding="utf-8")
+    (pair,) = load_preferences(f)  # closed quotes, doubled quotes: read as before
+    assert pair.prompt == "two\nlines" and pair.rejected == 'b "q"'
+
+
+def test_a_bad_file_reaches_the_command_as_one_line(tmp_path, monkeypatch, capsys):
+    def no_model(*a, **k):
+        raise AssertionError("a model was loaded before the data was read")
+
+    monkeypatch.setattr(M, "load_causal_lm", no_model)
+    f = tmp_path / "sft.jsonl"
+    f.write_bytes(b'{"prompt": "a", "response": "b' + BAD + b'"}\n')
+    assert main(["sft", f"sft.data={f}", f"sft.output_dir={tmp_path / 'out'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [f"error: {f}:1: not valid UTF-8 (byte 0xff at column 31)"]
+    assert not (tmp_path / "out").exists()
+
+
+def test_labels_that_are_not_json_name_the_row(tmp_path):
+    f = tmp_path / "pairs.csv"
+    f.write_text("prompt,chosen,rejected,labels\nx,a,b,{brevity: 1\n", encoding="utf-8")
+    with pytest.raises(DataError, match=r"pairs\.csv:2: field 'labels' is not a JSON object"):
+        load_preferences(f)
+
+
+@pytest.mark.parametrize(
+    "override,field",
+    [
+        ("ppo.lr=.nan", "ppo.lr"),
+        ("ppo.lr=.inf", "ppo.lr"),
+        ("ppo.lr=1e400", "ppo.lr"),  # overflows to inf when read
+        ("ppo.kl_coef=.inf", "ppo.kl_coef"),
+        ("ppo.clip_high=.nan", "ppo.clip_high"),  # float | None
+        ("sft.lr=-.inf", "sft.lr"),
+        ("rm.heads={preference: .nan}", "rm.heads.preference"),  # dict[str, float] values
+        ("reward.functions={'a:b': .inf}", "reward.functions.a:b"),
+    ],
+)
+def test_non_finite_float_settings_are_rejected(override, field):
+    with pytest.raises(ConfigError, match=rf"^{field}: must be a finite number"):
+        load_config(overrides=["reward.functions={'rlhflab.toy_rewards:cat_reward': 1}", override])
+
+
+def test_non_finite_float_in_a_yaml_file_is_one_line(tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("ppo: {lr: .nan}\nreward: {functions: {'rlhflab.toy_rewards:cat_reward': 1}}\n")
+    assert main(["ppo", "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == ["error: ppo.lr: must be a finite number, got nan"]
+
+
+def test_a_config_file_that_is_not_utf8_names_the_line(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_bytes(b"seed: 1\nppo:\n  lr: 1.0e-4  # caf\xe9\n")
+    with pytest.raises(ConfigError, match=r"c\.yaml:3: not valid UTF-8"):
+        load_config(cfg)

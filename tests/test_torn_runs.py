@@ -1,0 +1,128 @@
+"""A run directory a crash left behind can be reported on and resumed (issue #24).
+
+A kill or power loss mid-write cuts the last line of metrics.jsonl (or samples, alerts), a
+JSON file, or a checkpoint's files short. Readers skip the torn tail with a warning and keep
+every complete line; ``--resume`` trims the tail and continues from the newest intact
+checkpoint.
+"""
+
+import json
+import logging
+
+import pytest
+import torch
+
+from rlhflab import checkpoint as C
+from rlhflab.cli import main
+from rlhflab.runlog import read_jsonl
+from rlhflab.trainers.ppo import PPOTrainer
+from tests.test_ppo import make_cfg
+
+
+def cut_last_line(path, keep: int = 12) -> None:
+    """Leave only the first ``keep`` bytes of the file's last line (no newline after)."""
+    lines = path.read_bytes().splitlines(keepends=True)
+    path.write_bytes(b"".join(lines[:-1]) + lines[-1][:keep])
+
+
+def write_jsonl(path, rows) -> None:
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+
+
+def test_report_reads_every_complete_line_of_a_torn_run(tmp_path, capsys, caplog):
+    run = tmp_path / "ppo"
+    run.mkdir()
+    rows = [{"iteration": i, "objective/scores": 0.1 * i, "objective/kl": 0.01} for i in (1, 2, 3)]
+    write_jsonl(run / "metrics.jsonl", [*rows, {"iteration": 4, "objective/scores": 9.0}])
+    cut_last_line(run / "metrics.jsonl")
+    sample = {"iteration": 1, "prompt": "p", "response": "é" * 20, "score": 1.0, "kl": 0.1}
+    write_jsonl(run / "samples.jsonl", [sample, sample])
+    last = (run / "samples.jsonl").read_bytes().splitlines()[-1]
+    cut_last_line(run / "samples.jsonl", keep=last.index("é".encode()) + 1)  # mid-character
+    alert = {"iteration": 2, "signal": "kl_limit", "value": 9.0, "message": "kl high"}
+    write_jsonl(run / "alerts.jsonl", [alert, alert])
+    cut_last_line(run / "alerts.jsonl")
+    rm = tmp_path / "rm"
+    rm.mkdir()
+    (rm / "rm_checks.json").write_text('{"reward": {"accuracy": 0.7')
+    (run / "config.yaml").write_text(f"reward: {{model: '{rm}'}}\n")
+    (tmp_path / "summary.json").write_text('{"ppo": {"gold": 0.')
+    with caplog.at_level(logging.WARNING):
+        assert main(["report", str(run)]) == 0
+    assert (run / "report.html").exists()
+    assert [r["iteration"] for r in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3]
+    assert len(read_jsonl(run / "samples.jsonl")) == 1
+    warned = caplog.text
+    assert "metrics.jsonl:4" in warned and "samples.jsonl:2" in warned
+    assert "summary.json" in warned and "rm_checks.json" in warned
+
+
+def test_a_damaged_line_before_the_end_is_an_error_naming_it(tmp_path, capsys):
+    run = tmp_path / "ppo"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"iteration": 1}\n{"iterat\n{"iteration": 3}\n')
+    assert main(["report", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [
+        f"error: {run / 'metrics.jsonl'}:2: not a complete JSON object, and not the last line "
+        "(a crash cuts only the last); the file is damaged"
+    ]
+
+
+def ppo_config(tmp_path, iterations: int):
+    cfg = tmp_path / "ppo.yaml"
+    cfg.write_text(
+        "device: cpu\n"
+        "model: {policy: 'preset:nano', value_model: separate}\n"
+        "reward: {functions: {'rlhflab.toy_rewards:vowel_reward': 1.0}}\n"
+        "rollout: {prompts_per_iteration: 8, max_new_tokens: 8}\n"
+        f"ppo: {{iterations: {iterations}, epochs: 1, minibatches: 1, lr: 1.0e-3}}\n"
+        f"log: {{output_dir: '{tmp_path / 'run'}', progress: false, checkpoint_every: 2,"
+        " sample_every: 1}\n"
+    )
+    return str(cfg)
+
+
+def test_resume_and_report_after_a_torn_metrics_line(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["ppo", "--config", ppo_config(tmp_path, 2)]) == 0
+    cut_last_line(run / "metrics.jsonl", keep=30)  # iteration 2's line, cut mid-JSON
+    cut_last_line(run / "samples.jsonl", keep=30)
+    assert main(["ppo", "--resume", "--config", ppo_config(tmp_path, 3)]) == 0
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    # iteration 2's line was torn and is gone; every line left is whole JSON
+    assert [json.loads(ln)["iteration"] for ln in lines] == [1, 3]
+    samples = [json.loads(ln) for ln in (run / "samples.jsonl").read_text().splitlines()]
+    # 4 samples an iteration; the torn 4th of iteration 2 is gone, the 3 before it stay
+    assert [s["iteration"] for s in samples] == [1] * 4 + [2] * 3 + [3] * 4
+    assert main(["report", str(run)]) == 0
+
+
+def test_resume_skips_a_corrupt_newest_checkpoint(tmp_path, caplog):
+    first = PPOTrainer(make_cfg(tmp_path, "ppo.epochs=1", "ppo.minibatches=1"))
+    first.fit()
+    ckpts = C.list_checkpoints(tmp_path / "run")
+    assert [p.name for p in ckpts] == ["step-2", "step-4"]
+    newest = ckpts[-1] / "optimizer.pt"
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # cut mid-write
+    resumed = PPOTrainer(make_cfg(tmp_path, "ppo.epochs=1", "ppo.minibatches=1"))
+    with caplog.at_level(logging.WARNING):
+        resumed.fit(resume=True)
+    assert "step-4" in caplog.text and "resuming from" in caplog.text
+    # it went on from step 2 and, resume being exact, ended where the first run did
+    for a, b in zip(
+        first.cast.policy.state_dict().values(), resumed.cast.policy.state_dict().values()
+    ):
+        assert torch.equal(a, b)
+    iterations = [r["iteration"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")]
+    assert iterations == [1, 2, 3, 4]
+    assert (tmp_path / "run" / "checkpoints" / "step-4.corrupt").is_dir()  # set aside, kept
+    assert C.read_state(C.list_checkpoints(tmp_path / "run")[-1])["iteration"] == 4
+
+
+def test_no_intact_checkpoint_is_an_error_not_a_fresh_start(tmp_path, capsys):
+    bad = tmp_path / "run" / "checkpoints" / "step-2"
+    (bad / "policy").mkdir(parents=True)
+    (bad / "state.pt").write_bytes(b"PK\x03\x04 cut short")
+    with pytest.raises(C.CheckpointError, match=r"step-2"):
+        C.latest_checkpoint(tmp_path / "run")
