@@ -21,6 +21,7 @@ import torch
 from rlhflab import losses as L
 from rlhflab import models as M
 from rlhflab import tasks
+from rlhflab.cast import load_frozen_reward_model
 from rlhflab.config import Config, ConfigError
 from rlhflab.cpu_blas import apply_cpu_matmul
 from rlhflab.data import DataError, PreferencePair, load_preferences
@@ -216,11 +217,8 @@ def check_reward_model(cfg: Config) -> dict:
         raise ConfigError("rm --check: set reward.model to the reward model folder to check")
     pairs = load_preferences(cfg.rm.data) if cfg.rm.data else None
     device = resolve_device(cfg.device)
-    mc = cfg.model
-    path = M.resolve_path(cfg.reward.model, "reward.model")
-    tokenizer = M.load_tokenizer(path, mc.trust_remote_code, runtime=mc.runtime)
-    model = M.load_sequence_classifier(path, tokenizer, mc.trust_remote_code, runtime=mc.runtime)
-    model = model.to(device).eval()
+    # frozen: in model.reward_precision, as PPO will score with it; a causal LM is refused
+    model, tokenizer = load_frozen_reward_model(cfg, device)
     heads = [model.config.id2label[i] for i in range(model.config.num_labels)]
     held, _ = split_pairs(pairs if pairs is not None else builtin_pairs(cfg), cfg)
     targets = head_targets(held, heads, cfg.rm.data or "the built-in pairs", strict=False)
@@ -259,17 +257,17 @@ def train_rm(cfg: Config) -> dict:
     pairs = load_preferences(r.data) if r.data else None
     init = M.resolve_path(r.init or cfg.model.policy, "rm.init")
     tokenizer = M.load_tokenizer(init, cfg.model.trust_remote_code, runtime=cfg.model.runtime)
-    model = (
-        M.load_sequence_classifier(
-            init,
-            tokenizer,
-            cfg.model.trust_remote_code,
-            num_labels=len(heads),
-            runtime=cfg.model.runtime,
-        )
-        .to(device)
-        .train()
+    # a causal LM (the SFT model) legitimately starts here with a fresh head; fp32 whatever
+    # the folder's dtype: these are the trained weights
+    model = M.load_sequence_classifier(
+        init,
+        tokenizer,
+        cfg.model.trust_remote_code,
+        num_labels=len(heads),
+        runtime=cfg.model.runtime,
+        dtype=torch.float32,
     )
+    model = M.require_fp32_trainable(model.to(device).train(), "the reward model")
     if cfg.model.lean_activations:
         make_activations_lean(model)
     apply_cpu_matmul(cfg.model.cpu_matmul, device, (model,))
