@@ -27,7 +27,7 @@ from rlhflab.cpu_blas import apply_cpu_matmul
 from rlhflab.data import DataError, PreferencePair, load_preferences
 from rlhflab.distributed import resolve_device
 from rlhflab.lean import make_activations_lean
-from rlhflab.rewards import FunctionReward, RewardBatch
+from rlhflab.rewards import FunctionReward, RewardBatch, encode_for_reward, reward_scores
 from rlhflab.rm_checks import gold_warning, length_warning, reward_checks
 from rlhflab.trainers.common import (
     build_optimizer_simple,
@@ -80,22 +80,19 @@ def head_targets(
     return out
 
 
-def score_texts(model, tokenizer, texts: list[str], device) -> torch.Tensor:
-    """(N, K) head scores at the last real token of each text (+ EOS)."""
-    enc = tokenizer(
-        [t + tokenizer.eos_token for t in texts],
-        return_tensors="pt",
-        padding=True,
-        add_special_tokens=False,
-    )
-    ids, mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
-    return model.score(M.last_token_hidden(model, ids, mask)).float()
+def score_pairs(model, tokenizer, pairs: list[PreferencePair], device) -> torch.Tensor:
+    """(2N, K) head scores of the chosen answers, then the rejected ones, each encoded as PPO
+    encodes a finished answer (:func:`rlhflab.rewards.encode_for_reward`: prompt and answer
+    apart, EOS after the answer)."""
+    prompts = [p.prompt for p in pairs] * 2
+    answers = [p.chosen for p in pairs] + [p.rejected for p in pairs]
+    ids, mask = encode_for_reward(tokenizer, prompts, answers, [True] * len(answers))
+    return reward_scores(model, ids.to(device), mask.to(device))
 
 
 def pair_loss(model, tokenizer, pairs, targets, weights, margin, device):
     """Weighted soft Bradley-Terry loss over heads; also returns the (N, K) score gaps."""
-    texts = [p.prompt + p.chosen for p in pairs] + [p.prompt + p.rejected for p in pairs]
-    scores = score_texts(model, tokenizer, texts, device)
+    scores = score_pairs(model, tokenizer, pairs, device)
     n = len(pairs)
     diff = scores[:n] - scores[n:]
     total = diff.new_zeros(())
@@ -112,15 +109,15 @@ def pair_loss(model, tokenizer, pairs, targets, weights, margin, device):
 @torch.no_grad()
 def heldout_scores(model, tokenizer, pairs, device, batch=64):
     """(chosen, rejected) head scores (N, K) each of held-out pairs, in eval mode."""
+    was_training = model.training
     model.eval()
     chosen, rejected = [], []
     for s in range(0, len(pairs), batch):
         part = pairs[s : s + batch]
-        texts = [p.prompt + p.chosen for p in part] + [p.prompt + p.rejected for p in part]
-        scores = score_texts(model, tokenizer, texts, device).cpu()
+        scores = score_pairs(model, tokenizer, part, device).cpu()
         chosen.append(scores[: len(part)])
         rejected.append(scores[len(part) :])
-    model.train()
+    model.train(was_training)
     return torch.cat(chosen), torch.cat(rejected)
 
 
