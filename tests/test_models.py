@@ -133,11 +133,12 @@ def test_reward_model_with_foreign_tokenizer_scores_text_as_called_directly(fore
     assert source.reencode
     prompts, responses = ["sort: dog cat\nanswer:", "add: 2 2\nanswer:"], [" cat dog", " 4"]
     seqs, mask = batch_ids(policy_tok, [p + r for p, r in zip(prompts, responses)])
-    got = source(RewardBatch(prompts, responses, seqs, mask))["rm/score"]
+    got = source(RewardBatch(prompts, responses, seqs, mask, [True, True]))["rm/score"]
     for i, (p, r) in enumerate(zip(prompts, responses)):
-        ids = torch.tensor(
-            [rm_tok(p + r + rm_tok.eos_token, add_special_tokens=False)["input_ids"]]
-        )
+        # prompt and answer encoded apart, as a rollout keeps them (rewards.encode_for_reward)
+        ids = rm_tok(p, add_special_tokens=False)["input_ids"]
+        ids = torch.tensor([ids + rm_tok(r, add_special_tokens=False)["input_ids"]])
+        ids = torch.cat([ids, torch.tensor([[rm_tok.eos_token_id]])], 1)
         with torch.no_grad():
             direct = rm(input_ids=ids).logits[0, 0]
         assert got[i].item() == pytest.approx(direct.item(), abs=1e-5)

@@ -92,6 +92,55 @@ def load_policy_tokenizer(cfg: Config):
     return M.load_tokenizer(path, cfg.model.trust_remote_code, runtime=cfg.model.runtime)
 
 
+def load_reward_tokenizer(cfg: Config):
+    """The tokenizer of ``reward.model``."""
+    path = M.resolve_path(cfg.reward.model, "reward.model")
+    return M.load_tokenizer(path, cfg.model.trust_remote_code, runtime=cfg.model.runtime)
+
+
+def load_reward_model(cfg: Config, tokenizer, dtype: torch.dtype | None = None) -> nn.Module:
+    """``reward.model`` as a finished reward model: refused without a trained ``score``
+    head. ``dtype``: by default the float dtype of ``model.reward_precision`` (fp32 for
+    int8, which quantises an fp32 model), whatever dtype the folder was saved in."""
+    mc = cfg.model
+    return M.load_sequence_classifier(
+        M.resolve_path(cfg.reward.model, "reward.model"),
+        tokenizer,
+        mc.trust_remote_code,
+        owned=mc.reward_precision != "fp32",
+        runtime=mc.runtime,
+        dtype=dtype or M.PRECISION_DTYPES.get(mc.reward_precision, torch.float32),
+        trained_head_for="reward.model",
+    )
+
+
+def freeze_reward_model(rm: nn.Module, cfg: Config, device, offload: bool) -> nn.Module:
+    """The reward model frozen, in ``model.reward_precision``, on ``device`` (kept on the
+    CPU between its forward passes with ``offload``)."""
+    precision = cfg.model.reward_precision
+    rm = M.freeze(M.set_precision(rm, precision, "cpu" if offload else device))
+    if offload:
+        return M.Offloaded(rm, device)
+    return rm.to(device) if precision != "int8" else rm
+
+
+def load_frozen_reward_model(cfg: Config, device) -> tuple[nn.Module, object]:
+    """(frozen reward model, its tokenizer) of ``reward.model``, as the cast holds it
+    (without offloading): for ``rlhflab rm --check`` and the evaluation helpers."""
+    tokenizer = load_reward_tokenizer(cfg)
+    rm = load_reward_model(cfg, tokenizer)
+    return freeze_reward_model(rm, cfg, torch.device(device), offload=False), tokenizer
+
+
+def load_frozen_policy(cfg: Config, tokenizer, device="cpu") -> nn.Module:
+    """``model.policy`` frozen in ``model.reference_precision``, as the cast's reference:
+    the reference of the held-out evaluations (demo, compare)."""
+    mc = cfg.model
+    path = M.resolve_path(mc.policy, "model.policy")
+    lm = M.load_causal_lm(path, tokenizer, mc.trust_remote_code, runtime=mc.runtime)
+    return M.make_reference(lm, mc.reference_precision, device=device)
+
+
 def build_cast(cfg: Config, device: torch.device | None = None, tokenizer=None) -> ModelCast:
     """Load the configured models; ``tokenizer``: the policy's, where the caller has
     already loaded it (``load_policy_tokenizer``)."""
@@ -101,25 +150,20 @@ def build_cast(cfg: Config, device: torch.device | None = None, tokenizer=None) 
     tokenizer = tokenizer or load_policy_tokenizer(cfg)
     lm = M.load_causal_lm(policy_path, tokenizer, mc.trust_remote_code, runtime=mc.runtime)
 
-    # Reward model first: a critic may be initialised from it before it is cast to low precision.
-    rm = rm_tokenizer = None
-    if cfg.reward.model:
-        rm_path = M.resolve_path(cfg.reward.model, "reward.model")
-        rm_tokenizer = M.load_tokenizer(rm_path, mc.trust_remote_code, runtime=mc.runtime)
-        rm = M.load_sequence_classifier(
-            rm_path,
-            rm_tokenizer,
-            mc.trust_remote_code,
-            owned=mc.reward_precision != "fp32",
-            runtime=mc.runtime,
-        )
-
+    rm_tokenizer = load_reward_tokenizer(cfg) if cfg.reward.model else None
     layout = mc.value_model
     if layout == "auto":
         layout = (
             "from_reward"
-            if rm is not None and M.same_tokenizer(rm_tokenizer, tokenizer)
+            if rm_tokenizer is not None and M.same_tokenizer(rm_tokenizer, tokenizer)
             else "separate"
+        )
+    # Reward model first: a critic initialised from it is copied in fp32 (trained weights are
+    # fp32 master weights) before the reward model is cast to its own precision.
+    rm = None
+    if cfg.reward.model:
+        rm = load_reward_model(
+            cfg, rm_tokenizer, torch.float32 if layout == "from_reward" else None
         )
     critic = None
     if layout == "none":
@@ -152,13 +196,7 @@ def build_cast(cfg: Config, device: torch.device | None = None, tokenizer=None) 
     reference = M.make_reference(lm, mc.reference_precision, mc.offload_frozen, device)
 
     if rm is not None:
-        rm = M.freeze(
-            M.set_precision(rm, mc.reward_precision, "cpu" if mc.offload_frozen else device)
-        )
-        if mc.offload_frozen:
-            rm = M.Offloaded(rm, device)
-        elif mc.reward_precision != "int8":
-            rm = rm.to(device)
+        rm = freeze_reward_model(rm, cfg, device, mc.offload_frozen)
     # after quantisation and offloading: only plain float Linear layers change
     apply_cpu_matmul(mc.cpu_matmul, device, (lm, critic, reference, rm))
     if mc.gradient_checkpointing:
@@ -166,9 +204,9 @@ def build_cast(cfg: Config, device: torch.device | None = None, tokenizer=None) 
             if model is not None:
                 M.enable_gradient_checkpointing(model)
     policy = M.PolicyWithValueHead(lm) if layout == "shared" else lm
-    policy.to(device).train()
+    M.require_fp32_trainable(policy.to(device).train(), "the policy")
     if critic is not None:
-        critic.to(device).train()
+        M.require_fp32_trainable(critic.to(device).train(), "the critic")
     reward = CompositeReward(_reward_sources(cfg, tokenizer, device, rm, rm_tokenizer))
     log.info(
         "cast built: value layout %s, reference %s%s, device %s",

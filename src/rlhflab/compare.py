@@ -39,8 +39,8 @@ def method_config(cfg: Config, method: str, run: Path) -> Config:
 
 def worker(method: str, config_json: str, eval_prompts: int) -> dict:
     """Train one method, evaluate it, return its row (runs in a fresh process)."""
-    from rlhflab import models as M
     from rlhflab import tasks
+    from rlhflab.cast import load_frozen_policy
     from rlhflab.evaluate import evaluate_policy
     from rlhflab.memory import peak_rss_bytes
 
@@ -67,7 +67,7 @@ def worker(method: str, config_json: str, eval_prompts: int) -> dict:
     wall = time.perf_counter() - start
     # the proxy is the same weighted reward model for every method (DPO never saw it)
     reward = trainer.cast.reward if method != "dpo" else _reward_only(cfg)
-    sft = M.freeze(M.load_causal_lm(cfg.model.policy, tok))
+    sft = load_frozen_policy(cfg, tok)
     prompts = [ex.prompt for ex in tasks.make_examples(eval_prompts, seed=10_000 + cfg.seed)]
     result = evaluate_policy(
         policy, sft, tok, prompts, reward, cfg.rollout.max_new_tokens, seed=cfg.seed
@@ -86,15 +86,11 @@ def worker(method: str, config_json: str, eval_prompts: int) -> dict:
 
 def _reward_only(cfg: Config):
     """The weighted reward of a config, without building the rest of a cast."""
-    from rlhflab import models as M
-    from rlhflab.cast import _reward_sources
+    from rlhflab.cast import _reward_sources, load_frozen_reward_model, load_policy_tokenizer
     from rlhflab.rewards import CompositeReward
 
-    policy_tok = M.load_tokenizer(M.resolve_path(cfg.model.policy))
-    rm_path = M.resolve_path(cfg.reward.model, "reward.model")
-    rm_tok = M.load_tokenizer(rm_path)
-    rm = M.freeze(M.load_sequence_classifier(rm_path, rm_tok))
-    return CompositeReward(_reward_sources(cfg, policy_tok, "cpu", rm, rm_tok))
+    rm, rm_tok = load_frozen_reward_model(cfg, "cpu")
+    return CompositeReward(_reward_sources(cfg, load_policy_tokenizer(cfg), "cpu", rm, rm_tok))
 
 
 def run_compare(

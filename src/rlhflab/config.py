@@ -115,8 +115,11 @@ class ModelConfig:
 class RewardConfig:
     model: str | None = setting(
         None,
-        "Reward model: a Hugging Face sequence-classification folder (one output per head). "
-        "Its score is read at the last real token.",
+        "Reward model: a Hugging Face sequence-classification folder (one output per head) "
+        "with trained `score` weights — a causal-LM folder is refused, not scored through a "
+        "fresh random head. Its score is read at the last real token: the EOS of an answer "
+        "that ended, the last answer token of one cut off at max_new_tokens (encoded as in "
+        "`rlhflab rm`: prompt and answer apart, rewards.encode_for_reward).",
     )
     heads: dict[str, float] = setting(
         {},

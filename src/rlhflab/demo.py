@@ -13,8 +13,8 @@ import logging
 import time
 from pathlib import Path
 
-from rlhflab import models as M
 from rlhflab import tasks
+from rlhflab.cast import load_frozen_policy
 from rlhflab.config import load_config
 from rlhflab.evaluate import evaluate_policy
 
@@ -143,7 +143,7 @@ def run_demo(
         ex.prompt for ex in tasks.make_examples(PRESETS[preset]["eval_prompts"], seed=10_000 + seed)
     ]
     tok = trainer.cast.tokenizer
-    sft_model = M.freeze(M.load_causal_lm(cfg.model.policy, tok))
+    sft_model = load_frozen_policy(cfg, tok, trainer.device)
     kw = {
         "reward": trainer.cast.reward,
         "max_new_tokens": cfg.rollout.max_new_tokens,

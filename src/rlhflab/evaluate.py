@@ -63,7 +63,7 @@ def evaluate_policy(
         rows["length"] += ro.response_mask.sum(1).float().tolist()
         if reward is not None:
             rows["proxy"] += reward(
-                RewardBatch(ro.prompts, ro.responses, seqs, attn)
+                RewardBatch(ro.prompts, ro.responses, seqs, attn, ro.ended)
             ).score.tolist()
         for p, r in zip(ro.prompts, ro.responses):
             j = tasks.judge(p, r)

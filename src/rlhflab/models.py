@@ -8,6 +8,7 @@ generation and right-padded training see the same positions.
 from __future__ import annotations
 
 import copy
+import json
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,6 +16,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+# the loaders' checks live in rlhflab.loading; callers reach these through this module
+from rlhflab.loading import ModelLoadError as ModelLoadError
+from rlhflab.loading import check_weight_files, disable_dropout, first_line, hf_load
+from rlhflab.loading import quiet_transformers as quiet_transformers
+from rlhflab.loading import require_fp32_trainable as require_fp32_trainable
 from rlhflab.native import NativeLlamaModel
 from rlhflab.presets import PAD, preset_path
 
@@ -47,18 +53,7 @@ def release_freed_memory() -> None:
         pass
 
 
-def quiet_transformers() -> None:
-    """Silence transformers' per-load progress bars; rlhflab shows its own per stage."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-
-
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-class ModelLoadError(ValueError):
-    """A model or tokenizer folder that cannot be used as configured."""
 
 
 def resolve_path(spec: str, field: str = "model") -> Path:
@@ -74,10 +69,18 @@ def resolve_path(spec: str, field: str = "model") -> Path:
             f"{field}: {spec!r} is not a local Hugging Face model folder (no config.json); "
             "rlhflab never downloads at run time — use preset:NAME or a saved folder"
         )
+    try:  # read here, so that every loader after this reads a config known to be JSON
+        json.loads((path / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"{field}: {path / 'config.json'} is not valid JSON ({exc})") from None
     return path
 
 
 RUNTIMES = ("transformers", "native")
+
+
+# the files a Hugging Face tokenizer is read from (fast, SentencePiece, BPE and WordPiece)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def load_tokenizer(
@@ -89,31 +92,29 @@ def load_tokenizer(
     fast tokenizer class directly: ``AutoTokenizer`` would first resolve the model's config
     class, which imports transformers' model-loading stack (docs/benchmarks.md, "Import cost").
     """
+    if not any((Path(path) / name).exists() for name in TOKENIZER_FILES):
+        # transformers would otherwise fail deep inside with a page about sentencepiece
+        raise ModelLoadError(
+            f"{path}: no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); save the "
+            "tokenizer into the model folder (tokenizer.save_pretrained)"
+        )
     if runtime == "native" and (Path(path) / "tokenizer.json").exists() and not trust_remote_code:
         from transformers import PreTrainedTokenizerFast as TokenizerClass
     else:
         from transformers import AutoTokenizer as TokenizerClass
 
-    tok = TokenizerClass.from_pretrained(path, trust_remote_code=trust_remote_code)
+    try:
+        tok = TokenizerClass.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(
+            f"{path}: the tokenizer cannot be loaded ({first_line(exc)})"
+        ) from None
     if tok.eos_token_id is None:
         raise ModelLoadError(f"{path}: the tokenizer has no EOS token; answers could never end")
     if tok.pad_token_id is None or tok.pad_token_id == tok.eos_token_id:
         # Sharing pad and EOS makes the EOS look like padding and drop out of the mask.
         tok.add_special_tokens({"pad_token": PAD})
     return tok
-
-
-def disable_dropout(model: nn.Module) -> nn.Module:
-    """Dropout off everywhere (N+ detail): otherwise the first PPO ratio is not 1."""
-    for module in model.modules():
-        if isinstance(module, nn.Dropout):
-            module.p = 0.0
-    cfg = getattr(model, "config", None)
-    if cfg is not None:
-        for key, value in list(vars(cfg).items()):
-            if "dropout" in key and isinstance(value, float):
-                setattr(cfg, key, 0.0)
-    return model
 
 
 def _fit_vocab(model, tokenizer) -> None:
@@ -152,16 +153,16 @@ def load_causal_lm(
     dtype: torch.dtype = torch.float32,
     runtime: str = "transformers",
 ):
-    """A causal LM from a local folder, through transformers or rlhflab's native runtime."""
+    """A causal LM from a local folder, through transformers or rlhflab's native runtime,
+    in ``dtype`` whatever dtype the checkpoint was saved in (transformers >= 5 would keep
+    the saved one)."""
     _check_runtime(runtime, trust_remote_code)
+    check_weight_files(path)
     if runtime == "native":
         return _load_native(path, "causal", tokenizer, dtype=dtype)
     from transformers import AutoModelForCausalLM
 
-    quiet_transformers()
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, trust_remote_code=trust_remote_code
-    )
+    model, _ = hf_load(AutoModelForCausalLM, path, trust_remote_code, {}, dtype=dtype)
     _fit_vocab(model, tokenizer)
     return disable_dropout(model)
 
@@ -173,31 +174,54 @@ def load_sequence_classifier(
     num_labels: int | None = None,
     owned: bool = False,
     runtime: str = "transformers",
+    dtype: torch.dtype = torch.float32,
+    trained_head_for: str | None = None,
 ):
     """An HF sequence-classification model (reward model or critic); ``score`` is its head.
 
+    ``dtype``: the weights' dtype whatever the checkpoint's (fp32: trained models hold fp32
+    master weights; a frozen reward model may ask for its configured precision).
     ``owned=True`` reads the weights into memory instead of memory-mapping the file: use it
     for a model that will be converted to int8/bf16, whose fp32 pages would otherwise stay
     resident with the mapping (the native runtime always reads into memory).
+    ``trained_head_for``: the config field that asks for a finished reward model
+    (``reward.model``): a folder without ``score`` weights (a causal LM) is refused instead
+    of being given a freshly initialised head, which would score at random.
     """
     _check_runtime(runtime, trust_remote_code)
+    saved = check_weight_files(path).get("score.weight")
+    if num_labels is not None and saved and saved[0] != num_labels:
+        # transformers would refuse it with a traceback pointing at a report it printed
+        raise ModelLoadError(
+            f"{path}: its saved score head has {saved[0]} outputs where {num_labels} are "
+            "needed (rm.heads: one per head); start from a causal LM or match the heads"
+        )
     if runtime == "native":
-        return _load_native(path, "classifier", tokenizer, num_labels=num_labels)
+        return _load_native(
+            path,
+            "classifier",
+            tokenizer,
+            num_labels=num_labels,
+            dtype=dtype,
+            trained_head_for=trained_head_for,
+        )
     from transformers import AutoModelForSequenceClassification
-
-    quiet_transformers()
-    kwargs = {} if num_labels is None else {"num_labels": num_labels}
     from transformers.utils import logging as hf_logging
 
+    from rlhflab.native_models import untrained_head_message
+
+    fields = {} if num_labels is None else {"num_labels": num_labels}
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # the "newly initialised score weights" report: we set them
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model = AutoModelForSequenceClassification.from_pretrained(
+            model, info = hf_load(
+                AutoModelForSequenceClassification,
                 path,
-                trust_remote_code=trust_remote_code,
-                **kwargs,
+                trust_remote_code,
+                fields,
+                dtype=dtype,
                 **(_owned_memory_kwargs() if owned else {}),
             )
     finally:
@@ -207,6 +231,9 @@ def load_sequence_classifier(
             f"{path}: expected a sequence-classification model with a linear "
             "`score` head (Llama, Qwen, Mistral, Gemma, GPT-2 families)"
         )
+    fresh_head = any(k.split(".")[0] == "score" for k in info["missing_keys"])
+    if trained_head_for and fresh_head:
+        raise ModelLoadError(untrained_head_message(path, trained_head_for))
     _fit_vocab(model, tokenizer)
     return disable_dropout(model)
 
@@ -350,7 +377,8 @@ def critic_from_reward_model(reward_model, head_weights: torch.Tensor):
     a weighted sum of linear heads is one linear head, so the critic starts out predicting
     exactly the combined score at every token.
     """
-    critic = copy.deepcopy(reward_model)
+    # a trained model: fp32 master weights even where the reward model was loaded in 16 bits
+    critic = copy.deepcopy(reward_model).to(torch.float32)
     old = critic.score
     head = nn.Linear(old.in_features, 1, bias=old.bias is not None, dtype=old.weight.dtype)
     with torch.no_grad():

@@ -82,7 +82,10 @@ class NativeConfig:
 def read_config(folder: str | Path) -> NativeConfig:
     """config.json of ``folder``, checked against what this runtime implements."""
     path = Path(folder) / "config.json"
-    fields = json.loads(path.read_text())
+    try:
+        fields = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise NativeConfigError(f"{path}: not valid JSON ({err})") from None
     checks = {
         "model_type": (fields.get("model_type"), SUPPORTED_MODEL_TYPES),
         "hidden_act": (fields.get("hidden_act", "silu"), ("silu",)),

@@ -165,16 +165,26 @@ class NativeLlamaForSequenceClassification(_NativePreTrained):
 # ----------------------------------------------------------------------------- loading
 
 
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: ``model.safetensors``, or the shards its
+    index names; [] when it has neither (transformers may still read other formats)."""
+    single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
+    if single.exists():
+        return [single]
+    if not index.exists():
+        return []
+    try:
+        shards = json.loads(index.read_text())["weight_map"].values()
+    except (OSError, ValueError, KeyError, AttributeError) as err:
+        raise NativeConfigError(f"{index}: not a safetensors index ({err!r})") from None
+    return [folder / name for name in dict.fromkeys(shards)]
+
+
 def read_weights(folder: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """All tensors of a safetensors checkpoint, single file or sharded, floating-point ones
     cast to ``dtype`` when given (read into memory: nothing stays tied to the file)."""
-    single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
-    if single.exists():
-        files = [single]
-    elif index.exists():
-        shards = json.loads(index.read_text())["weight_map"].values()
-        files = [folder / name for name in dict.fromkeys(shards)]
-    else:
+    files = weight_files(folder)
+    if not files:
         raise NativeConfigError(
             f"{folder}: model.runtime=native reads safetensors checkpoints only "
             "(no model.safetensors or model.safetensors.index.json)"
@@ -183,6 +193,48 @@ def read_weights(folder: Path, dtype: torch.dtype | None = None) -> dict[str, to
     for f in files:
         state.update(read_safetensors(f, dtype))
     return state
+
+
+def _read_header(f, path: Path) -> tuple[dict, int]:
+    """(header without its metadata, offset of the data) of an open safetensors file."""
+    try:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+    except (struct.error, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise NativeConfigError(f"{path}: not a safetensors file ({err})") from err
+    if not isinstance(header, dict):
+        raise NativeConfigError(f"{path}: not a safetensors file (its header is not a table)")
+    header.pop("__metadata__", None)
+    return header, 8 + header_len
+
+
+def check_safetensors(path: Path) -> dict[str, list[int]]:
+    """The shape of each tensor of a safetensors file whose header parses and whose tensors
+    all lie inside the file: what a copy cut short or a file of something else fails.
+    Reads the header only."""
+    if not path.exists():
+        raise NativeConfigError(f"{path}: missing (named by the checkpoint's index)")
+    with open(path, "rb") as f:
+        header, data_start = _read_header(f, path)
+    try:
+        end = max((info["data_offsets"][1] for info in header.values()), default=0)
+    except (TypeError, KeyError, IndexError) as err:
+        raise NativeConfigError(f"{path}: not a safetensors file ({err!r})") from None
+    size = path.stat().st_size
+    if data_start + end > size:
+        raise NativeConfigError(
+            f"{path}: cut short ({size} bytes; its header describes {data_start + end})"
+        )
+    return {name: list(info.get("shape", [])) for name, info in header.items()}
+
+
+def untrained_head_message(folder, field: str) -> str:
+    """Why a folder without ``score`` weights is refused as a finished reward model."""
+    return (
+        f"{field}: {folder} has no trained score head in its weights (a causal LM, not a "
+        "reward model); it would score through a freshly initialised head, at random — "
+        f"train one with rlhflab rm (rm.init={folder})"
+    )
 
 
 # safetensors' dtype names (https://github.com/huggingface/safetensors, format: a u64 header
@@ -224,13 +276,7 @@ def iter_safetensors(path: Path, dtype: torch.dtype | None = None):
             yield k, _cast(v, dtype)
         return
     with open(path, "rb") as f:
-        try:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(header_len))
-        except (struct.error, UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise NativeConfigError(f"{path}: not a safetensors file ({err})") from err
-        header.pop("__metadata__", None)
-        data_start = 8 + header_len
+        header, data_start = _read_header(f, path)
         for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
             kind = SAFETENSORS_DTYPES.get(info["dtype"])
             if kind is None:
@@ -279,11 +325,14 @@ def load_native(
     kind: str,
     dtype: torch.dtype = torch.float32,
     num_labels: int | None = None,
+    trained_head_for: str | None = None,
 ):
     """A native causal LM (``kind='causal'``) or sequence classifier (``'classifier'``).
 
     A classifier loaded from a causal LM's folder keeps the backbone and gets a fresh
-    ``score`` head (normal, std ``initializer_range``) — as transformers does. The model is
+    ``score`` head (normal, std ``initializer_range``) — as transformers does — unless
+    ``trained_head_for`` names the config field that asks for a finished reward model:
+    then such a folder is refused (:func:`untrained_head_message`). The model is
     built without initialising its weights and the read tensors are assigned to it, so the
     weights are in memory once.
     """
@@ -302,6 +351,8 @@ def load_native(
         expected.pop("lm_head.weight", None)
     fresh = [k for k in expected if k not in state]
     if kind != "causal" and fresh == ["score.weight"]:
+        if trained_head_for:
+            raise NativeConfigError(untrained_head_message(folder, trained_head_for))
         std = float(getattr(cfg, "initializer_range", 0.02))
         state["score.weight"] = torch.randn(cfg.num_labels, cfg.hidden_size, dtype=dtype) * std
         fresh = []

@@ -28,13 +28,56 @@ class RewardBatch:
 
     prompts, responses: decoded text, length B. ``sequences``/``attention_mask``: (B, L)
     policy-tokenizer ids of prompt + response (left-padded prompt, right-padded answer),
-    used by a reward model that shares the policy's tokenizer.
+    used by a reward model that shares the policy's tokenizer. ``ended``: (B,) whether each
+    answer ended with EOS (False: cut off at max_new_tokens); a reward model that re-encodes
+    the text needs it, to append EOS to those answers only.
     """
 
     prompts: list[str]
     responses: list[str]
     sequences: torch.Tensor | None = None
     attention_mask: torch.Tensor | None = None
+    ended: torch.Tensor | list[bool] | None = None
+
+
+def encode_for_reward(
+    tokenizer, prompts: list[str], answers: list[str], ended
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ids (B, P + T) and attention mask of prompt + answer for a reward model, laid out as a
+    rollout is: each prompt encoded on its own and left-padded to P, each answer encoded on
+    its own, followed by EOS where ``ended[i]`` (an answer cut off at max_new_tokens gets
+    none), and right-padded to T.
+
+    The one encoding for reward-model training, its held-out checks and PPO's re-encoded
+    scoring: encoding prompt + answer as one string would merge tokens across the boundary
+    ("answer: " + "red" → " red") that a rollout keeps apart, so the reward model would be
+    trained on tokens it never sees at PPO time.
+    """
+    ended = [bool(e) for e in (ended.tolist() if torch.is_tensor(ended) else ended)]
+    if not len(prompts) == len(answers) == len(ended):
+        raise ValueError(
+            f"encode_for_reward: {len(prompts)} prompts, {len(answers)} answers, "
+            f"{len(ended)} ended flags"
+        )
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    heads = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    tails = [
+        tokenizer(a, add_special_tokens=False)["input_ids"] + ([eos] if e else [])
+        for a, e in zip(answers, ended)
+    ]
+    P, T = max(map(len, heads)), max(map(len, tails))
+    ids = torch.full((len(heads), P + T), pad, dtype=torch.long)
+    mask = torch.zeros((len(heads), P + T), dtype=torch.long)
+    for i, (h, t) in enumerate(zip(heads, tails)):
+        ids[i, P - len(h) : P + len(t)] = torch.tensor(h + t, dtype=torch.long)
+        mask[i, P - len(h) : P + len(t)] = 1
+    return ids, mask
+
+
+def reward_scores(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B, K) head scores at each row's last real token: the reward model's pooling, the
+    same in training and in scoring."""
+    return model.score(last_token_hidden(model, ids, mask)).float()
 
 
 class RewardSource(Protocol):
@@ -48,7 +91,8 @@ class ModelReward:
 
     The score is read at the last real token. When the reward model's tokenizer differs from
     the policy's (detected by :func:`same_tokenizer`), answers are decoded and re-encoded
-    with the reward model's own tokenizer; otherwise the policy's token ids are used as is.
+    with the reward model's own tokenizer by :func:`encode_for_reward` (as in its
+    training); otherwise the policy's token ids are used as is — they have that layout.
     """
 
     def __init__(self, model, tokenizer, policy_tokenizer, device="cpu", micro_batch=32, name="rm"):
@@ -61,10 +105,12 @@ class ModelReward:
     def _encode(self, batch: RewardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.reencode and batch.sequences is not None:
             return batch.sequences, batch.attention_mask
-        eos = self.tokenizer.eos_token or ""
-        texts = [p + r + eos for p, r in zip(batch.prompts, batch.responses)]
-        enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-        return enc["input_ids"], enc["attention_mask"]
+        if batch.ended is None:
+            raise RewardError(
+                f"reward model {self.name}: re-encoding answers needs to know which ended "
+                "with EOS (RewardBatch.ended); a cut-off answer gets none"
+            )
+        return encode_for_reward(self.tokenizer, batch.prompts, batch.responses, batch.ended)
 
     @torch.no_grad()
     def __call__(self, batch: RewardBatch) -> dict[str, torch.Tensor]:
@@ -78,7 +124,7 @@ class ModelReward:
                     ids[s : s + self.micro_batch].to(self.device),
                     mask[s : s + self.micro_batch].to(self.device),
                 )
-                outs.append(m.score(last_token_hidden(m, i, a)).float().cpu())
+                outs.append(reward_scores(m, i, a).cpu())
         scores = torch.cat(outs)
         return {
             f"{self.name}/{h}" if self.name else h: scores[:, k]

@@ -181,7 +181,7 @@ def score_rollout(
     rollout.ref_logprobs = torch.cat(parts["ref"]).to(device)
     if critic is not None:
         rollout.values = torch.cat(parts["val"])
-    reward = cast.reward(RewardBatch(rollout.prompts, rollout.responses, seqs, mask))
+    reward = cast.reward(RewardBatch(rollout.prompts, rollout.responses, seqs, mask, rollout.ended))
     rollout.scores = reward.score.to(device)
     rollout.components = {k: v.to(device) for k, v in reward.components.items()}
     return rollout

@@ -70,13 +70,13 @@ class DPOTrainer:
             path, cfg.model.trust_remote_code, runtime=cfg.model.runtime
         )
         lm = M.load_causal_lm(
-            path, self.tokenizer, cfg.model.trust_remote_code, runtime=cfg.model.runtime
+            path, self.tokenizer, cfg.model.trust_remote_code, torch.float32, cfg.model.runtime
         )
         if cfg.model.lean_activations:
             make_activations_lean(lm)
         if cfg.model.lora_r:
             lm = M.apply_lora(lm, cfg.model.lora_r, cfg.model.lora_alpha, cfg.model.lora_targets)
-        self.policy = lm.to(self.device).train()
+        self.policy = M.require_fp32_trainable(lm.to(self.device).train(), "the DPO policy")
         self.reference = M.make_reference(
             lm, cfg.model.reference_precision, cfg.model.offload_frozen, self.device
         )

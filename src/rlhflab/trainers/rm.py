@@ -21,12 +21,13 @@ import torch
 from rlhflab import losses as L
 from rlhflab import models as M
 from rlhflab import tasks
+from rlhflab.cast import load_frozen_reward_model
 from rlhflab.config import Config, ConfigError
 from rlhflab.cpu_blas import apply_cpu_matmul
 from rlhflab.data import DataError, PreferencePair, load_preferences
 from rlhflab.distributed import resolve_device
 from rlhflab.lean import make_activations_lean
-from rlhflab.rewards import FunctionReward, RewardBatch
+from rlhflab.rewards import FunctionReward, RewardBatch, encode_for_reward, reward_scores
 from rlhflab.rm_checks import gold_warning, length_warning, reward_checks
 from rlhflab.trainers.common import (
     Halt,
@@ -80,22 +81,19 @@ def head_targets(
     return out
 
 
-def score_texts(model, tokenizer, texts: list[str], device) -> torch.Tensor:
-    """(N, K) head scores at the last real token of each text (+ EOS)."""
-    enc = tokenizer(
-        [t + tokenizer.eos_token for t in texts],
-        return_tensors="pt",
-        padding=True,
-        add_special_tokens=False,
-    )
-    ids, mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
-    return model.score(M.last_token_hidden(model, ids, mask)).float()
+def score_pairs(model, tokenizer, pairs: list[PreferencePair], device) -> torch.Tensor:
+    """(2N, K) head scores of the chosen answers, then the rejected ones, each encoded as PPO
+    encodes a finished answer (:func:`rlhflab.rewards.encode_for_reward`: prompt and answer
+    apart, EOS after the answer)."""
+    prompts = [p.prompt for p in pairs] * 2
+    answers = [p.chosen for p in pairs] + [p.rejected for p in pairs]
+    ids, mask = encode_for_reward(tokenizer, prompts, answers, [True] * len(answers))
+    return reward_scores(model, ids.to(device), mask.to(device))
 
 
 def pair_loss(model, tokenizer, pairs, targets, weights, margin, device):
     """Weighted soft Bradley-Terry loss over heads; also returns the (N, K) score gaps."""
-    texts = [p.prompt + p.chosen for p in pairs] + [p.prompt + p.rejected for p in pairs]
-    scores = score_texts(model, tokenizer, texts, device)
+    scores = score_pairs(model, tokenizer, pairs, device)
     n = len(pairs)
     diff = scores[:n] - scores[n:]
     total = diff.new_zeros(())
@@ -112,15 +110,15 @@ def pair_loss(model, tokenizer, pairs, targets, weights, margin, device):
 @torch.no_grad()
 def heldout_scores(model, tokenizer, pairs, device, batch=64):
     """(chosen, rejected) head scores (N, K) each of held-out pairs, in eval mode."""
+    was_training = model.training
     model.eval()
     chosen, rejected = [], []
     for s in range(0, len(pairs), batch):
         part = pairs[s : s + batch]
-        texts = [p.prompt + p.chosen for p in part] + [p.prompt + p.rejected for p in part]
-        scores = score_texts(model, tokenizer, texts, device).cpu()
+        scores = score_pairs(model, tokenizer, part, device).cpu()
         chosen.append(scores[: len(part)])
         rejected.append(scores[len(part) :])
-    model.train()
+    model.train(was_training)
     return torch.cat(chosen), torch.cat(rejected)
 
 
@@ -217,11 +215,8 @@ def check_reward_model(cfg: Config) -> dict:
         raise ConfigError("rm --check: set reward.model to the reward model folder to check")
     pairs = load_preferences(cfg.rm.data) if cfg.rm.data else None
     device = resolve_device(cfg.device)
-    mc = cfg.model
-    path = M.resolve_path(cfg.reward.model, "reward.model")
-    tokenizer = M.load_tokenizer(path, mc.trust_remote_code, runtime=mc.runtime)
-    model = M.load_sequence_classifier(path, tokenizer, mc.trust_remote_code, runtime=mc.runtime)
-    model = model.to(device).eval()
+    # frozen: in model.reward_precision, as PPO will score with it; a causal LM is refused
+    model, tokenizer = load_frozen_reward_model(cfg, device)
     heads = [model.config.id2label[i] for i in range(model.config.num_labels)]
     held, _ = split_pairs(pairs if pairs is not None else builtin_pairs(cfg), cfg)
     targets = head_targets(held, heads, cfg.rm.data or "the built-in pairs", strict=False)
@@ -260,17 +255,17 @@ def train_rm(cfg: Config) -> dict:
     pairs = load_preferences(r.data) if r.data else None
     init = M.resolve_path(r.init or cfg.model.policy, "rm.init")
     tokenizer = M.load_tokenizer(init, cfg.model.trust_remote_code, runtime=cfg.model.runtime)
-    model = (
-        M.load_sequence_classifier(
-            init,
-            tokenizer,
-            cfg.model.trust_remote_code,
-            num_labels=len(heads),
-            runtime=cfg.model.runtime,
-        )
-        .to(device)
-        .train()
+    # a causal LM (the SFT model) legitimately starts here with a fresh head; fp32 whatever
+    # the folder's dtype: these are the trained weights
+    model = M.load_sequence_classifier(
+        init,
+        tokenizer,
+        cfg.model.trust_remote_code,
+        num_labels=len(heads),
+        runtime=cfg.model.runtime,
+        dtype=torch.float32,
     )
+    model = M.require_fp32_trainable(model.to(device).train(), "the reward model")
     if cfg.model.lean_activations:
         make_activations_lean(model)
     apply_cpu_matmul(cfg.model.cpu_matmul, device, (model,))

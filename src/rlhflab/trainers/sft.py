@@ -90,11 +90,10 @@ def train_sft(cfg: Config) -> dict:
     pairs = load_sft_pairs(s.data) if s.data else None
     path = M.resolve_path(cfg.model.policy, "model.policy")
     tokenizer = M.load_tokenizer(path, cfg.model.trust_remote_code, runtime=cfg.model.runtime)
-    model = (
-        M.load_causal_lm(path, tokenizer, cfg.model.trust_remote_code, runtime=cfg.model.runtime)
-        .to(device)
-        .train()
+    model = M.load_causal_lm(
+        path, tokenizer, cfg.model.trust_remote_code, torch.float32, cfg.model.runtime
     )
+    model = M.require_fp32_trainable(model.to(device).train(), "the SFT policy")
     if cfg.model.lean_activations:
         make_activations_lean(model)
     apply_cpu_matmul(cfg.model.cpu_matmul, device, (model,))
