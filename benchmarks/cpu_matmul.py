@@ -1,6 +1,6 @@
 """Which library multiplies faster on this CPU: torch.mm (MKL) or numpy.matmul (OpenBLAS)?
 
-The evidence behind ``model.cpu_matmul`` (rlhflab/cpu_blas.py). For the Linear shapes of
+The evidence behind ``model.cpu_matmul`` (rlhflab/backends/cpu_blas.py). For the Linear shapes of
 ``vs_trl.py``'s Llama models, one thread, float32, it times the three products a Linear
 layer runs in training — forward x·Wᵀ, input gradient g·W, weight gradient gᵀ·x — through
 both libraries, with the operands laid out as autograd hands them over (W as stored, Wᵀ and
@@ -22,7 +22,7 @@ import time
 import numpy as np
 import torch
 
-from rlhflab.cpu_blas import set_numpy_blas_threads
+from rlhflab.backends.cpu_blas import set_numpy_blas_threads
 
 # hidden, intermediate (vs_trl.py's SIZES); vocabulary 440 as there
 SHAPES = {"0.2M": (64, 176), "4M": (256, 704), "25M": (512, 1408)}

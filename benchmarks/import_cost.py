@@ -34,7 +34,7 @@ STEPS = {
         ("import torch", "import torch"),
         (
             "rlhflab FusedAdamW",
-            "from rlhflab.optim import FusedAdamW; "
+            "from rlhflab.backends.optim import FusedAdamW; "
             "FusedAdamW([torch.nn.Parameter(torch.zeros(1))])",
         ),
         ("PreTrainedTokenizerFast (runtime=native)", "tok = M.load_tokenizer(F, runtime='native')"),

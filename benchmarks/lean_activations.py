@@ -27,7 +27,7 @@ from vs_trl import SIZES, _peak_rss_mib, bare_llama  # noqa: E402
 def worker(mode: str, size: str, tokens: int, steps: int) -> dict:
     import torch
 
-    from rlhflab.lean import make_activations_lean
+    from rlhflab.backends.lean import make_activations_lean
 
     torch.set_num_threads(1)
     model = bare_llama(size).train()

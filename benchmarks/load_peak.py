@@ -24,7 +24,7 @@ HERE = Path(__file__).resolve().parent
 CHILD = """
 import sys, torch
 from pathlib import Path
-from rlhflab import native_models as N
+from rlhflab.backends import native_models as N
 
 def hwm_mib():
     for line in open("/proc/self/status"):

@@ -49,10 +49,10 @@ def child(layout: str, rm_path: str) -> None:
     import transformers  # noqa: F401  (import cost counted in the baseline)
 
     from rlhflab import models as M
-    from rlhflab.algorithms import logprobs_from_logits
-    from rlhflab.cast import build_cast
     from rlhflab.config import load_config
-    from rlhflab.memory import peak_rss_bytes
+    from rlhflab.core.algorithms import logprobs_from_logits
+    from rlhflab.diagnostics.memory import peak_rss_bytes
+    from rlhflab.models.cast import build_cast
 
     torch.manual_seed(0)
     baseline = current_rss()
@@ -70,7 +70,7 @@ def child(layout: str, rm_path: str) -> None:
     opt = torch.optim.AdamW(params, lr=1e-5)
     ids = torch.randint(3, len(cast.tokenizer), (8, 96))
     mask = torch.ones_like(ids)
-    from rlhflab.rewards import RewardBatch
+    from rlhflab.experience.rewards import RewardBatch
 
     with torch.no_grad():
         cast.reward(RewardBatch([""] * 8, [""] * 8, ids, mask))
@@ -93,7 +93,7 @@ def child(layout: str, rm_path: str) -> None:
 
 
 def main() -> None:
-    from rlhflab.presets import build_preset
+    from rlhflab.models.presets import build_preset
 
     with tempfile.TemporaryDirectory() as tmp:
         rm_path = str(build_preset("medium", os.path.join(tmp, "rm"), seed=1, heads=["score"]))
@@ -102,7 +102,7 @@ def main() -> None:
             [
                 sys.executable,
                 "-c",
-                "from rlhflab.presets import preset_path; preset_path('medium')",
+                "from rlhflab.models.presets import preset_path; preset_path('medium')",
             ],
             check=True,
         )

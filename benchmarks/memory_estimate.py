@@ -22,14 +22,14 @@ import torch
 
 from rlhflab import models as M
 from rlhflab.config import load_config
-from rlhflab.memory import (
+from rlhflab.diagnostics.memory import (
     _NewStorages,
     cast_memory,
     estimated_peak,
     iteration_memory,
     optimizer_held_bytes,
 )
-from rlhflab.presets import preset_path
+from rlhflab.models.presets import preset_path
 from rlhflab.trainers.ppo import PPOTrainer
 
 LAYOUTS = {
@@ -50,7 +50,7 @@ def config(preset: str, folder: Path, overrides: list[str]):
     base = {
         "device": "cpu",
         "model": {"policy": f"preset:{preset}", "value_model": "separate"},
-        "reward": {"functions": {"rlhflab.toy_rewards:vowel_reward": 1.0}},
+        "reward": {"functions": {"rlhflab.builtin.toy_rewards:vowel_reward": 1.0}},
         "data": {"prompts": str(folder / "prompts.jsonl")},
         "rollout": {
             "prompts_per_iteration": 16,

@@ -29,7 +29,7 @@ from pathlib import Path
 
 def read_jsonl(path: Path) -> list[dict]:
     """rlhflab's log reader; a run without alerts has no alerts.jsonl at all."""
-    from rlhflab.runlog import read_jsonl as read
+    from rlhflab.infra.runlog import read_jsonl as read
 
     return read(path) if path.exists() else []
 
@@ -92,7 +92,7 @@ def main() -> None:
     ap.add_argument("--out", default="runs/evidence")
     ap.add_argument("--reuse", action="store_true", help="analyse finished runs, train none")
     args = ap.parse_args()
-    from rlhflab.demo import run_demo
+    from rlhflab.app.demo import run_demo
 
     rows = []
     for preset in args.presets:

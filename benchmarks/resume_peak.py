@@ -73,7 +73,7 @@ else:
 
 def child(size: str, mode: str, src: Path, label: str, out: Path, iterations: int) -> None:
     """One run in a fresh interpreter, importing rlhflab from ``src``."""
-    from rlhflab.allocator import environment
+    from rlhflab.backends.allocator import environment
 
     env = environment("auto", {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(src)])

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from cpu_matmul import cpu_name, rate  # this folder's benchmark: one timing loop for all
 from vs_trl import EPOCHS, ROLLOUTS, SIZES
 
-from rlhflab.cpu_blas import set_numpy_blas_threads
+from rlhflab.backends.cpu_blas import set_numpy_blas_threads
 
 VOCAB = 440
 HEAD_DIM = 64

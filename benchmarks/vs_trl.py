@@ -20,7 +20,7 @@ first; ``--lever-precision`` forces one). rlhflab runs with ``model.runtime=nati
 forward and AdamW over the same files: same arithmetic, fewer imports); ``--runtime
 transformers`` runs it on transformers' classes instead. rlhflab's worker starts on the
 allocator the ``rlhflab`` command starts on (``--allocator auto``: mimalloc where installed,
-rlhflab/allocator.py), TRL's on the system's; ``--trl-allocator mimalloc`` runs TRL on the
+rlhflab/backends/allocator.py), TRL's on the system's; ``--trl-allocator mimalloc`` runs TRL on the
 same library, to tell the allocator's share from the rest. rlhflab multiplies its Linear
 layers through whichever of torch's MKL and numpy's OpenBLAS (``model.cpu_matmul``) reached
 the higher one-thread fp32 rate on this size's shapes, measured first (``--cpu-matmul
@@ -100,8 +100,8 @@ def build_models(size: str, folder: Path) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
-    from rlhflab import tasks
-    from rlhflab.presets import build_tokenizer, default_corpus
+    from rlhflab.builtin import tasks
+    from rlhflab.models.presets import build_tokenizer, default_corpus
 
     hidden, inter, layers, heads, _ = SIZES[size]
     tok = build_tokenizer(default_corpus())
@@ -152,7 +152,7 @@ def bare_llama(size: str):
 
 # ------------------------------------------------------------- workers (one process each)
 def _peak_rss_mib() -> float:
-    # rlhflab.memory.peak_rss_bytes reads the same line, but the TRL worker runs in TRL's
+    # rlhflab.diagnostics.memory.peak_rss_bytes reads the same line, but the TRL worker runs in TRL's
     # venv, where rlhflab is not importable
     with open("/proc/self/status") as f:
         for line in f:
@@ -173,7 +173,7 @@ def _worker_result(start: float, ticks: list, gen: list) -> dict:
 
 
 def _allocator_in_use() -> str:
-    with open("/proc/self/maps") as f:  # rlhflab.allocator.in_use, for TRL's venv too
+    with open("/proc/self/maps") as f:  # rlhflab.backends.allocator.in_use, for TRL's venv too
         return "mimalloc" if "libmimalloc" in f.read() else "system"
 
 
@@ -436,7 +436,7 @@ def matmul_ceiling(size: str, prompt_tokens: int) -> dict[str, float]:
     import torch
     from cpu_matmul import rate
 
-    from rlhflab.cpu_blas import set_numpy_blas_threads
+    from rlhflab.backends.cpu_blas import set_numpy_blas_threads
 
     torch.set_num_threads(1)
     set_numpy_blas_threads(1)
@@ -466,7 +466,7 @@ def run_side(
     cpu_matmul: str = "numpy",
     lever_precision: str = "int8",
 ) -> dict:
-    from rlhflab.allocator import environment
+    from rlhflab.backends.allocator import environment
 
     env = {
         **os.environ,
@@ -475,7 +475,7 @@ def run_side(
         "TOKENIZERS_PARALLELISM": "false",
     }
     # the malloc the worker starts on: rlhflab's command starts on mimalloc where installed
-    # (rlhflab/allocator.py); TRL on the system's unless --trl-allocator says otherwise
+    # (rlhflab/backends/allocator.py); TRL on the system's unless --trl-allocator says otherwise
     env = environment(allocator, env)
     env["PYTHONPATH"] = str(HERE.parent / "src") if side != "trl" else ""
     cmd = [

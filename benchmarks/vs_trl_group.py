@@ -205,7 +205,7 @@ def run_side(
     runtime: str = "native",
     cpu_matmul: str = "torch",
 ) -> dict:
-    from rlhflab.allocator import environment
+    from rlhflab.backends.allocator import environment
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     env["TOKENIZERS_PARALLELISM"] = "false"

@@ -17,7 +17,7 @@ def _isolated_cache(tmp_path_factory):
 @pytest.fixture(scope="session")
 def nano_rm(tmp_path_factory):
     """A 3-head reward model on the nano preset, sharing the policy tokenizer."""
-    from rlhflab.presets import build_preset
+    from rlhflab.models.presets import build_preset
 
     return build_preset(
         "nano",
@@ -30,7 +30,7 @@ def nano_rm(tmp_path_factory):
 @pytest.fixture(scope="session")
 def foreign_rm(tmp_path_factory):
     """A reward model whose tokenizer was trained on other text (different vocabulary)."""
-    from rlhflab.presets import build_preset
+    from rlhflab.models.presets import build_preset
 
     corpus = ["the quick brown fox jumps over the lazy dog"] * 20 + ["cat dog sun moon"] * 5
     return build_preset(

@@ -8,7 +8,7 @@ import torch
 
 import rlhflab.trainers.ppo as ppo_module
 from rlhflab.config import load_config
-from rlhflab.rollout import Rollout, left_pad
+from rlhflab.experience.rollout import Rollout, left_pad
 from rlhflab.trainers.ppo import PPOTrainer
 
 ANSWERS = [" cat dog sun", " red", " blue green apple pear"]
@@ -45,7 +45,7 @@ def fixed_rollout(model, tokenizer, prompts, max_new_tokens, *args, **kwargs):
 def note_checkpoint_reads(out: str) -> list[str]:
     """From now on, append to the returned list each file or folder under ``out`` that
     this process reads weights or a torch.save'd state from (relative to ``out``)."""
-    import rlhflab.checkpoint as C
+    import rlhflab.infra.checkpoint as C
 
     reads, read_weights, load = [], C.read_weights, torch.load
 
@@ -66,7 +66,7 @@ def config(out_dir, *over, stage="ppo"):
     base = {
         "device": "cpu",
         "model": {"policy": "preset:nano", "value_model": "separate"},
-        "reward": {"functions": {"rlhflab.toy_rewards:vowel_reward": 1.0}},
+        "reward": {"functions": {"rlhflab.builtin.toy_rewards:vowel_reward": 1.0}},
         "rollout": {"prompts_per_iteration": 8, "max_new_tokens": 6},
         "ppo": {"iterations": 1, "epochs": 1, "minibatches": 1, "lr": 1e-2, "critic_lr": 1e-2},
         "monitor": {"enabled": True},
@@ -81,7 +81,7 @@ if __name__ == "__main__":
         ppo_module.generate_rollout = fixed_rollout
         t = PPOTrainer(config(out + "-run", *sys.argv[3:]))
         t.fit()
-        from rlhflab.distributed import full_state_dict
+        from rlhflab.infra.distributed import full_state_dict
 
         # sharded (fsdp): gathered into plain tensors, a collective of every rank
         policy = full_state_dict(t.cast.policy, t.ctx, t.cfg.dist.strategy)
@@ -103,15 +103,15 @@ if __name__ == "__main__":
         )
         GRPOTrainer(cfg).fit()
     elif mode == "preset":  # each rank builds a preset into its own folder
-        from rlhflab.distributed import init_distributed
-        from rlhflab.presets import build_preset
+        from rlhflab.infra.distributed import init_distributed
+        from rlhflab.models.presets import build_preset
 
         ctx = init_distributed("cpu")
         build_preset("nano", f"{out}/rank-{ctx.rank}")
     elif mode == "late":  # the group outlives destroy_process_group, as under FSDP2
         import torch.distributed as dist
 
-        from rlhflab.distributed import init_distributed
+        from rlhflab.infra.distributed import init_distributed
 
         init_distributed("cpu")
         held = dist.group.WORLD  # FSDP2's device mesh holds it the same way
@@ -120,7 +120,7 @@ if __name__ == "__main__":
             dist.all_reduce(t, async_op=True)
         del queued, t
     elif mode == "gather":  # rank r holds [r, r + 10]; rank 0 saves the gathered tensor
-        from rlhflab.distributed import init_distributed
+        from rlhflab.infra.distributed import init_distributed
 
         ctx = init_distributed("cpu")
         gathered = ctx.all_gather_cat(torch.tensor([ctx.rank, ctx.rank + 10.0]))
@@ -132,7 +132,7 @@ if __name__ == "__main__":
         t.fit(resume=True)
         if reads is not None:
             Path(out, f"reads-{t.ctx.rank}.json").write_text(json.dumps(reads))
-    from rlhflab.distributed import exit_without_teardown, shutdown_distributed
+    from rlhflab.infra.distributed import exit_without_teardown, shutdown_distributed
 
     # as the command line does: leave the group, then exit before the interpreter's teardown
     if shutdown_distributed():

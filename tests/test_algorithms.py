@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from rlhflab import algorithms as A
+from rlhflab.core import algorithms as A
 from tests.maths_helpers import B, T, loop_mean, ragged_mask, rand, with_garbage_padding
 
 # ----------------------------------------------------------------------------- masked statistics
@@ -262,7 +262,7 @@ def test_mean_z_score_matches_loop():
 
 
 def test_running_scale_of_equal_scores_is_finite():
-    from rlhflab.rewards import RunningMoments
+    from rlhflab.experience.rewards import RunningMoments
 
     for value in (0.0, 1.0, -3.0):
         moments, scores = RunningMoments(), torch.full((8,), value)
@@ -304,8 +304,8 @@ class _ThreadGroup:
 def test_running_moments_are_global_over_ranks_and_equal_the_concatenated_data():
     import threading
 
-    from rlhflab.distributed import global_batch_moments
-    from rlhflab.rewards import RunningMoments
+    from rlhflab.experience.rewards import RunningMoments
+    from rlhflab.infra.distributed import global_batch_moments
 
     # two iterations; rank 1's first share is all equal, the shards differ in size
     shards = [

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from rlhflab import allocator
+from rlhflab.backends import allocator
 
 
 def _run(*args, **env):

@@ -9,9 +9,9 @@ import json
 import pytest
 
 from rlhflab import models as M
-from rlhflab.cli import main
+from rlhflab.app.cli import main
 from rlhflab.config import ConfigError, load_config
-from rlhflab.data import DataError, load_preferences, load_prompts
+from rlhflab.experience.data import DataError, load_preferences, load_prompts
 from rlhflab.trainers.sft import load_sft_pairs
 
 BAD = b"\xff\xfe"  # never valid UTF-8
@@ -60,7 +60,7 @@ def test_non_utf8_bytes_name_the_file_and_line(tmp_path, suffix):
 
 
 def test_non_utf8_bytes_in_prompt_and_sft_files(tmp_path):
-    from rlhflab.presets import preset_path
+    from rlhflab.models.presets import preset_path
 
     tok = M.load_tokenizer(preset_path("nano"))
     f = tmp_path / "p.jsonl"
@@ -125,12 +125,16 @@ def test_labels_that_are_not_json_name_the_row(tmp_path):
 )
 def test_non_finite_float_settings_are_rejected(override, field):
     with pytest.raises(ConfigError, match=rf"^{field}: must be a finite number"):
-        load_config(overrides=["reward.functions={'rlhflab.toy_rewards:cat_reward': 1}", override])
+        load_config(
+            overrides=["reward.functions={'rlhflab.builtin.toy_rewards:cat_reward': 1}", override]
+        )
 
 
 def test_non_finite_float_in_a_yaml_file_is_one_line(tmp_path, capsys):
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("ppo: {lr: .nan}\nreward: {functions: {'rlhflab.toy_rewards:cat_reward': 1}}\n")
+    cfg.write_text(
+        "ppo: {lr: .nan}\nreward: {functions: {'rlhflab.builtin.toy_rewards:cat_reward': 1}}\n"
+    )
     assert main(["ppo", "--config", str(cfg)]) == 2
     err = capsys.readouterr().err
     assert err.strip().splitlines() == ["error: ppo.lr: must be a finite number, got nan"]

@@ -3,7 +3,7 @@
 import json
 import math
 
-from rlhflab.compare import METHODS, run_compare
+from rlhflab.app.compare import METHODS, run_compare
 
 # A shrunken quick preset: the point is the plumbing (equal budgets, one process per method,
 # the table in the run folder and in each report), not the learning; the trainers' own

@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from rlhflab import cpu_blas, lean
+from rlhflab.backends import cpu_blas, lean
 from rlhflab.config import ConfigError
-from rlhflab.runlog import read_jsonl
+from rlhflab.infra.runlog import read_jsonl
 from rlhflab.trainers.ppo import PPOTrainer
 from tests.test_ppo import VOLATILE, make_cfg
 

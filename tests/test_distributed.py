@@ -57,7 +57,7 @@ def torchrun(n, *args, fails=False):
 def test_each_rank_gets_the_same_number_of_equal_minibatches(
     answers, world, minibatches, micro, group, per_rank_minibatch
 ):
-    from rlhflab.distributed import rank_split
+    from rlhflab.infra.distributed import rank_split
 
     # every rank takes ppo.minibatches optimiser steps per epoch, as a single process does
     assert rank_split(answers, world, minibatches, micro, group) == per_rank_minibatch
@@ -78,7 +78,7 @@ def test_a_batch_that_does_not_split_evenly_over_ranks_is_refused(
     answers, world, minibatches, micro, group, field
 ):
     from rlhflab.config import ConfigError
-    from rlhflab.distributed import rank_split
+    from rlhflab.infra.distributed import rank_split
 
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")) as err:
         rank_split(answers, world, minibatches, micro, group)
@@ -92,7 +92,7 @@ def test_two_ranks_and_one_rank_make_the_same_first_update(tmp_path, runtime):
     torchrun(2, "equiv", str(two), f"model.runtime={runtime}")
     a, b = torch.load(one), torch.load(two)
     from rlhflab import models as M
-    from rlhflab.presets import preset_path
+    from rlhflab.models.presets import preset_path
 
     start = M.load_causal_lm(preset_path("nano"), M.load_tokenizer(preset_path("nano")))
     moved = max((a["policy"][k] - v).abs().max().item() for k, v in start.state_dict().items())
@@ -247,13 +247,13 @@ def test_every_rank_builds_a_whole_preset(tmp_path):
 def test_the_command_runs_under_torchrun_each_rank_on_the_allocator(tmp_path):
     # the documented way past one process: torchrun -m rlhflab ...; each rank re-executes
     # itself once onto mimalloc (same PID, so torchrun keeps watching it)
-    from rlhflab.allocator import mimalloc_library
+    from rlhflab.backends.allocator import mimalloc_library
 
     config = tmp_path / "ppo.yaml"
     config.write_text(
         "device: cpu\n"
         "model: {policy: 'preset:nano', value_model: separate}\n"
-        "reward: {functions: {'rlhflab.toy_rewards:vowel_reward': 1.0}}\n"
+        "reward: {functions: {'rlhflab.builtin.toy_rewards:vowel_reward': 1.0}}\n"
         "rollout: {prompts_per_iteration: 8, max_new_tokens: 6}\n"
         "ppo: {iterations: 2, epochs: 1, minibatches: 1}\n"
         f"log: {{output_dir: '{tmp_path / 'run'}', progress: false}}\n"

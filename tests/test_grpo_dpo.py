@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rlhflab.config import ConfigError, load_config
-from rlhflab.runlog import read_jsonl
+from rlhflab.infra.runlog import read_jsonl
 from rlhflab.trainers.dpo import DPO_BASE, DPOTrainer
 from rlhflab.trainers.grpo import GRPO_BASE, GRPOTrainer
 
@@ -18,7 +18,7 @@ def grpo_cfg(tmp_path, *over, out="run"):
         **GRPO_BASE,
         "device": "cpu",
         "model": {"policy": "preset:tiny", "value_model": "none"},
-        "reward": {"functions": {"rlhflab.toy_rewards:vowel_reward": 1.0}},
+        "reward": {"functions": {"rlhflab.builtin.toy_rewards:vowel_reward": 1.0}},
         "rollout": {"prompts_per_iteration": 16, "max_new_tokens": 8},
         "ppo": {**GRPO_BASE["ppo"], "iterations": 4, "epochs": 2, "minibatches": 2, "lr": 1e-3},
         "grpo": {"group_size": 4},
@@ -43,7 +43,7 @@ def test_group_trainers_raise_reward_with_ratio_one_at_first(tmp_path, estimator
 def test_dr_grpo_divides_by_one_constant_not_the_batch_width(tmp_path, monkeypatch):
     """seq-mean-token-sum-norm weighs an answer by a constant that no batch changes:
     rollout.max_new_tokens by default, ppo.loss_agg_norm when set (every loss term)."""
-    import rlhflab.losses as L
+    import rlhflab.core.losses as L
 
     seen, real = [], L.aggregate
 
@@ -134,7 +134,7 @@ def test_grpo_config_errors_name_the_field(tmp_path):
         load_config(
             overrides=[
                 "model.value_model=none",
-                "reward.functions={'rlhflab.toy_rewards:vowel_reward': 1}",
+                "reward.functions={'rlhflab.builtin.toy_rewards:vowel_reward': 1}",
             ]
         )
 

@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from rlhflab import checkpoint as C
-from rlhflab.cli import main
+from rlhflab.app.cli import main
+from rlhflab.infra import checkpoint as C
 
 
 def one_error_line(capsys) -> str:
@@ -85,7 +85,7 @@ def test_ppo_halts_in_one_line_and_keeps_its_last_checkpoint(tmp_path, capsys):
     cfg.write_text(
         "device: cpu\n"
         "model: {policy: 'preset:nano', value_model: separate}\n"
-        "reward: {functions: {'rlhflab.toy_rewards:vowel_reward': 1.0}}\n"
+        "reward: {functions: {'rlhflab.builtin.toy_rewards:vowel_reward': 1.0}}\n"
         "rollout: {prompts_per_iteration: 8, max_new_tokens: 8}\n"
         "ppo: {iterations: 6, epochs: 1, minibatches: 1, lr: 1.0e+30, max_bad_updates: 1}\n"
         f"log: {{output_dir: '{tmp_path / 'run'}', progress: false, checkpoint_every: 1}}\n"

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from rlhflab import lean
+from rlhflab.backends import lean
 
 
 def tiny_llama(**kw) -> LlamaForCausalLM:

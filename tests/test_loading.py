@@ -7,13 +7,13 @@ import shutil
 import pytest
 import torch
 
-from rlhflab import cast as C
 from rlhflab import models as M
-from rlhflab.cli import main
+from rlhflab.app.cli import main
+from rlhflab.backends.native_models import read_safetensors
 from rlhflab.config import load_config
-from rlhflab.native_models import read_safetensors
-from rlhflab.presets import preset_path
-from rlhflab.rewards import ModelReward
+from rlhflab.experience.rewards import ModelReward
+from rlhflab.models import cast as C
+from rlhflab.models.presets import preset_path
 from rlhflab.trainers.dpo import DPO_BASE, DPOTrainer
 from rlhflab.trainers.ppo import PPOTrainer
 from rlhflab.trainers.rm import train_rm
@@ -172,7 +172,7 @@ def test_first_ppo_ratio_is_one_with_attention_dropout_in_the_checkpoint(with_dr
         **{
             "model.policy": with_dropout["llama"],
             "model.value_model": "separate",
-            "reward.functions": "{'rlhflab.toy_rewards:vowel_reward': 1.0}",
+            "reward.functions": "{'rlhflab.builtin.toy_rewards:vowel_reward': 1.0}",
             "rollout.prompts_per_iteration": 8,
             "rollout.max_new_tokens": 6,
             "ppo.iterations": 1,

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from rlhflab import algorithms as A
-from rlhflab import losses as L
+from rlhflab.core import algorithms as A
+from rlhflab.core import losses as L
 from tests.maths_helpers import B, T, ragged_mask, rand, with_garbage_padding
 
 # ----------------------------------------------------------------------------- aggregation

@@ -8,7 +8,7 @@ import torch
 
 from rlhflab import models as M
 from rlhflab.config import load_config
-from rlhflab.memory import (
+from rlhflab.diagnostics.memory import (
     ModelMemory,
     PhaseMemory,
     _NewStorages,
@@ -22,8 +22,8 @@ from rlhflab.memory import (
     kv_cache_bytes,
     optimizer_held_bytes,
 )
-from rlhflab.presets import preset_path
-from rlhflab.sampling import cache_kwarg, sample
+from rlhflab.experience.sampling import cache_kwarg, sample
+from rlhflab.models.presets import preset_path
 
 KIB = 1024
 
@@ -89,7 +89,7 @@ def _fixed_length_cfg(tmp_path, *overrides):
     base = {
         "device": "cpu",
         "model": {"policy": "preset:tiny", "value_model": "separate"},
-        "reward": {"functions": {"rlhflab.toy_rewards:vowel_reward": 1.0}},
+        "reward": {"functions": {"rlhflab.builtin.toy_rewards:vowel_reward": 1.0}},
         "data": {"prompts": str(f)},
         "rollout": {
             "prompts_per_iteration": 8,
@@ -137,7 +137,7 @@ def test_the_estimate_is_what_a_real_iteration_holds_at_its_peak(tmp_path, overr
 def test_checkpointing_shrinks_what_the_forward_keeps_and_backward_restores_no_gradients(
     runtime,
 ):
-    from rlhflab.rollout import policy_outputs
+    from rlhflab.experience.rollout import policy_outputs
 
     path = preset_path("tiny")
     tok = M.load_tokenizer(path, runtime=runtime)

@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from rlhflab import models as M
-from rlhflab import presets
-from rlhflab.algorithms import logprobs_from_logits
-from rlhflab.cast import build_cast
 from rlhflab.config import load_config
-from rlhflab.rewards import FunctionReward, ModelReward, RewardBatch, RewardError
+from rlhflab.core.algorithms import logprobs_from_logits
+from rlhflab.experience.rewards import FunctionReward, ModelReward, RewardBatch, RewardError
+from rlhflab.models import presets
+from rlhflab.models.cast import build_cast
 
 
 def batch_ids(tok, texts):
@@ -146,7 +146,7 @@ def test_reward_model_with_foreign_tokenizer_scores_text_as_called_directly(fore
 
 def test_function_reward_errors_name_the_function():
     batch = RewardBatch(["p1", "p2"], ["a", "b"])
-    ok = FunctionReward("rlhflab.tasks:gold_reward")
+    ok = FunctionReward("rlhflab.builtin.tasks:gold_reward")
     assert set(ok(RewardBatch(["add: 1 1\nanswer:"], [" 2"]))) == {"gold"}
     with pytest.raises(RewardError, match="tests.reward_fns:wrong_count.*1 values for 2"):
         FunctionReward("tests.reward_fns:wrong_count")(batch)
@@ -168,7 +168,7 @@ def test_cast_layouts_and_mixed_rewards(nano_rm):
         **{
             "reward.model": str(nano_rm),
             "reward.heads": "{correctness: 1.0, politeness: 0.5}",
-            "reward.functions": "{'rlhflab.tasks:gold_reward': 2.0}",
+            "reward.functions": "{'rlhflab.builtin.tasks:gold_reward': 2.0}",
         }
     )
     cast = build_cast(cfg)
@@ -204,7 +204,7 @@ def test_cast_shared_and_lora_int8_layouts(nano_rm):
     lora = build_cast(
         cast_config(
             **{
-                "reward.functions": "{'rlhflab.tasks:gold_reward': 1.0}",
+                "reward.functions": "{'rlhflab.builtin.tasks:gold_reward': 1.0}",
                 "model.lora_r": 4,
                 "model.value_model": "shared",
             }
@@ -218,7 +218,10 @@ def test_cast_shared_and_lora_int8_layouts(nano_rm):
 def test_separate_critic_must_share_the_tokenizer(foreign_rm, tmp_path):
     other = presets.build_preset("nano", tmp_path / "c", corpus=["x y z"] * 10)
     cfg = cast_config(
-        **{"reward.functions": "{'rlhflab.tasks:gold_reward': 1.0}", "model.critic": str(other)}
+        **{
+            "reward.functions": "{'rlhflab.builtin.tasks:gold_reward': 1.0}",
+            "model.critic": str(other),
+        }
     )
     with pytest.raises(M.ModelLoadError, match="does not share the policy's tokenizer"):
         build_cast(cfg)
@@ -228,7 +231,7 @@ def test_separate_critic_must_share_the_tokenizer(foreign_rm, tmp_path):
 
 
 def test_ignore_eos_samples_full_length_even_when_eos_is_certain():
-    from rlhflab.sampling import sample
+    from rlhflab.experience.sampling import sample
 
     path = M.resolve_path("preset:nano")
     tok = M.load_tokenizer(path)
@@ -249,7 +252,7 @@ def test_ignore_eos_samples_full_length_even_when_eos_is_certain():
 
 
 def test_gradient_checkpointing_keeps_the_gradients(nano_rm):
-    from rlhflab.rollout import policy_outputs
+    from rlhflab.experience.rollout import policy_outputs
 
     cfg = load_config(
         overrides=[
@@ -278,7 +281,7 @@ def test_gradient_checkpointing_keeps_the_gradients(nano_rm):
 
 @pytest.mark.parametrize("lean_on", [True, False])
 def test_cast_swaps_lean_modules_into_trained_models_only_when_asked(nano_rm, lean_on):
-    from rlhflab.lean import LeanRMSNorm, LeanSwiGLU
+    from rlhflab.backends.lean import LeanRMSNorm, LeanSwiGLU
 
     cfg = cast_config(
         **{"reward.model": str(nano_rm), "model.lean_activations": str(lean_on).lower()}

@@ -5,10 +5,10 @@ import json
 import pytest
 import torch
 
+from rlhflab.app.report import build_report, line_chart
 from rlhflab.config import load_config
-from rlhflab.monitor import HackingMonitor, distinct_n, pearson, repeated_ngram_rate
-from rlhflab.report import build_report, line_chart
-from rlhflab.rollout import Rollout
+from rlhflab.diagnostics.monitor import HackingMonitor, distinct_n, pearson, repeated_ngram_rate
+from rlhflab.experience.rollout import Rollout
 from rlhflab.trainers.ppo import PPOTrainer
 
 
@@ -39,7 +39,7 @@ def fake_rollout(responses, scores, lengths):
 def test_monitor_thresholds_fire_and_warmup_is_respected():
     cfg = load_config(
         overrides=[
-            "reward.functions={'rlhflab.toy_rewards:vowel_reward': 1}",
+            "reward.functions={'rlhflab.builtin.toy_rewards:vowel_reward': 1}",
             "monitor.warmup_iterations=1",
         ]
     )
@@ -61,12 +61,12 @@ def test_monitor_thresholds_fire_and_warmup_is_respected():
 def test_gold_drop_signal_tracks_proxy_versus_gold(monkeypatch):
     cfg = load_config(
         overrides=[
-            "reward.functions={'rlhflab.toy_rewards:vowel_reward': 1}",
-            "monitor.gold=rlhflab.toy_rewards:vowel_reward",
+            "reward.functions={'rlhflab.builtin.toy_rewards:vowel_reward': 1}",
+            "monitor.gold=rlhflab.builtin.toy_rewards:vowel_reward",
             "monitor.smoothing=0",
         ]
     )
-    from rlhflab.rewards import FunctionReward
+    from rlhflab.experience.rewards import FunctionReward
 
     mon = HackingMonitor(cfg.monitor, FunctionReward(cfg.monitor.gold))
     drops = []
@@ -83,11 +83,11 @@ def tiny_cfg(tmp_path, *over):
     base = {
         "device": "cpu",
         "model": {"policy": "preset:nano", "value_model": "shared"},
-        "reward": {"functions": {"rlhflab.toy_rewards:vowel_reward": 1.0}},
+        "reward": {"functions": {"rlhflab.builtin.toy_rewards:vowel_reward": 1.0}},
         "rollout": {"prompts_per_iteration": 8, "max_new_tokens": 8},
         "ppo": {"iterations": 4, "epochs": 1, "lr": 1e-3},
         "log": {"output_dir": str(tmp_path / "run"), "progress": False, "sample_every": 1},
-        "monitor": {"gold": "rlhflab.toy_rewards:vowel_reward", "warmup_iterations": 0},
+        "monitor": {"gold": "rlhflab.builtin.toy_rewards:vowel_reward", "warmup_iterations": 0},
     }
     return load_config(base=base, overrides=list(over))
 
@@ -130,7 +130,7 @@ def test_line_chart_skips_non_finite_points():
 
 def test_opener_logprobs_match_a_plain_loop_over_prompts_and_spellings():
     from rlhflab import models as M
-    from rlhflab.rollout import left_pad, opener_logprobs
+    from rlhflab.experience.rollout import left_pad, opener_logprobs
 
     path = M.resolve_path("preset:nano")
     tok = M.load_tokenizer(path)
@@ -163,14 +163,16 @@ def test_opener_logprobs_match_a_plain_loop_over_prompts_and_spellings():
 
 
 def test_flattery_opener_ratio_is_a_ratio_of_means_and_alerts_above_threshold():
-    from rlhflab.monitor import opener_ratio
+    from rlhflab.diagnostics.monitor import opener_ratio
 
     pol, ref = torch.tensor([0.5, 0.1]).log(), torch.tensor([0.25, 0.05]).log()
     assert opener_ratio(pol, ref) == pytest.approx(2.0)
     assert opener_ratio(torch.tensor([0.0, 0.9]).log(), torch.tensor([1e-9, 0.3]).log()) == (
         pytest.approx(0.45 / (0.15 + 5e-10))
     )
-    cfg = load_config(overrides=["reward.functions={'rlhflab.toy_rewards:vowel_reward': 1}"])
+    cfg = load_config(
+        overrides=["reward.functions={'rlhflab.builtin.toy_rewards:vowel_reward': 1}"]
+    )
     mon = HackingMonitor(cfg.monitor)
     ro = fake_rollout(["plain a", "plain b"], [1.0, 2.0], [3, 3])
     metrics = {"objective/scores": 1.5, "objective/kl": 0.1, "policy/entropy": 2.0}

@@ -8,16 +8,16 @@ import pytest
 import torch
 
 from rlhflab import models as M
-from rlhflab.lean import make_activations_lean
-from rlhflab.native import (
+from rlhflab.backends.lean import make_activations_lean
+from rlhflab.backends.native import (
     KVCache,
     NativeConfigError,
     apply_rotary,
     attention_mask_4d,
     read_config,
 )
-from rlhflab.native_models import load_native, read_safetensors
-from rlhflab.presets import build_preset, preset_path
+from rlhflab.backends.native_models import load_native, read_safetensors
+from rlhflab.models.presets import build_preset, preset_path
 from tests.test_lean import tiny_llama
 
 
@@ -231,7 +231,7 @@ def test_cached_decoding_equals_one_full_forward(gqa_folder):
 
 def test_sampler_draws_the_same_answers_as_with_transformers():
     """Same seed, same prompts: the samplers agree token for token (fp64 removes ties)."""
-    from rlhflab.sampling import sample
+    from rlhflab.experience.sampling import sample
 
     folder = preset_path("nano")
     tok = M.load_tokenizer(folder)
@@ -324,7 +324,7 @@ from rlhflab.config import load_config
 from rlhflab.trainers.ppo import PPOTrainer
 cfg = load_config(base={{"model": {{"policy": "preset:nano", "runtime": "native",
     "gradient_checkpointing": {checkpointing}}},
-    "reward": {{"functions": {{"rlhflab.toy_rewards:vowel_reward": 1.0}}}},
+    "reward": {{"functions": {{"rlhflab.builtin.toy_rewards:vowel_reward": 1.0}}}},
     "rollout": {{"prompts_per_iteration": 4, "max_new_tokens": 4}},
     "ppo": {{"iterations": 1}}, "log": {{"output_dir": {str(tmp_path)!r}, "progress": False}}}})
 PPOTrainer(cfg).fit()
@@ -392,7 +392,7 @@ def test_read_safetensors_names_the_file_and_tensor_of_bad_data(tmp_path):
 def test_resume_copies_each_saved_tensor_into_the_model_and_names_a_mismatch(tmp_path, gqa_folder):
     from safetensors.torch import load_file, save_file
 
-    from rlhflab.checkpoint import _load_into
+    from rlhflab.infra.checkpoint import _load_into
 
     model = load_native(gqa_folder, "causal")
     saved = load_file(str(gqa_folder / "model.safetensors"))

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from rlhflab.optim import FusedAdamW, LambdaSchedule, UpdateInBackward
+from rlhflab.backends.optim import FusedAdamW, LambdaSchedule, UpdateInBackward
 from rlhflab.trainers.common import lr_factor
 
 

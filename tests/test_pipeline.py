@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from rlhflab import models as M
-from rlhflab import tasks
-from rlhflab.cli import main
-from rlhflab.data import DataError, load_preferences
-from rlhflab.runlog import read_jsonl
+from rlhflab.app.cli import main
+from rlhflab.builtin import tasks
+from rlhflab.experience.data import DataError, load_preferences
+from rlhflab.infra.runlog import read_jsonl
 
 
 def test_task_generator_is_deterministic_and_self_checking():
@@ -125,7 +125,7 @@ def test_sft_rm_ppo_commands_chain(tmp_path, capsys, runtime):
                 f"model.runtime={runtime}",
                 "rm.steps=10",
                 "rm.pairs=100",
-                "monitor.gold=rlhflab.tasks:gold_reward",
+                "monitor.gold=rlhflab.builtin.tasks:gold_reward",
                 f"rm.output_dir={rm}",
                 "log.progress=false",
             ]
@@ -195,8 +195,8 @@ def test_quick_demo_improves_gold_reward(tmp_path, capsys):
 
     # the same SFT model trained against the politeness head alone (it pays for "Great
     # question!") with a tiny β: the proxy climbs, the gold falls, and the monitors say so
+    from rlhflab.app.demo import _COMMON
     from rlhflab.config import load_config
-    from rlhflab.demo import _COMMON
     from rlhflab.trainers.ppo import PPOTrainer
 
     hack = [

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from rlhflab.config import ConfigError, load_config
-from rlhflab.data import DataError, load_prompts
-from rlhflab.runlog import read_jsonl
+from rlhflab.experience.data import DataError, load_prompts
+from rlhflab.infra.runlog import read_jsonl
 from rlhflab.trainers.common import TrainingHalted
 from rlhflab.trainers.ppo import PPOTrainer
 
@@ -18,7 +18,7 @@ def make_cfg(tmp_path, *overrides):
     base = {
         "device": "cpu",
         "model": {"policy": "preset:nano", "value_model": "separate"},
-        "reward": {"functions": {"rlhflab.toy_rewards:vowel_reward": 1.0}},
+        "reward": {"functions": {"rlhflab.builtin.toy_rewards:vowel_reward": 1.0}},
         "rollout": {"prompts_per_iteration": 8, "max_new_tokens": 8},
         "ppo": {"iterations": 4, "epochs": 2, "minibatches": 2, "lr": 1e-3, "critic_lr": 1e-3},
         "log": {"output_dir": str(tmp_path / "run"), "progress": False, "checkpoint_every": 2},
@@ -160,7 +160,7 @@ def test_step_in_backward_trains_bit_identically(tmp_path, layout):
 @pytest.mark.parametrize("layout", ["separate", "shared"])
 def test_logprobs_from_sampling_skips_the_policy_forward(tmp_path, layout, monkeypatch):
     """rollout.logprobs_from_sampling: the same run to float rounding, no policy scoring."""
-    import rlhflab.rollout as rollout_module
+    import rlhflab.experience.rollout as rollout_module
 
     def arm(_t):
         monkeypatch.setattr(
@@ -252,7 +252,7 @@ def test_checkpoint_is_a_loadable_hf_folder_and_keeps_last_k(tmp_path):
 
 def test_a_checkpoint_with_its_optimisers_inside_state_pt_still_loads(tmp_path):
     # checkpoints written before 2026-12-05 had no optimizer.pt
-    from rlhflab.checkpoint import read_state
+    from rlhflab.infra.checkpoint import read_state
 
     old = {"iteration": 2, "optim": {"state": {}}, "critic_optim": {"state": {}}}
     torch.save(old, tmp_path / "state.pt")
@@ -300,7 +300,7 @@ def test_a_kl_in_the_loss_refuses_estimators_without_a_kl_gradient(tmp_path):
         assert make_cfg(tmp_path, "ppo.kl_placement=loss", f"ppo.kl_estimator={est}")
     from rlhflab.trainers.grpo import GRPO_BASE
 
-    reward = {"functions": {"rlhflab.toy_rewards:vowel_reward": 1.0}}
+    reward = {"functions": {"rlhflab.builtin.toy_rewards:vowel_reward": 1.0}}
     for stage in ("grpo", "rloo"):  # the group trainers' defaults put a working KL there
         cfg = load_config(base={**GRPO_BASE, "reward": reward}, stage=stage)
         assert (cfg.ppo.kl_placement, cfg.ppo.kl_estimator) == ("loss", "k3")
@@ -349,7 +349,7 @@ def test_a_huge_critic_gradient_leaves_the_policy_update_alone(tmp_path):
 
 def test_bad_prompt_rows_get_clear_errors(tmp_path):
     from rlhflab import models as M
-    from rlhflab.presets import preset_path
+    from rlhflab.models.presets import preset_path
 
     tok = M.load_tokenizer(preset_path("nano"))
     f = tmp_path / "p.jsonl"
@@ -378,10 +378,12 @@ def test_bad_prompt_rows_get_clear_errors(tmp_path):
 
 
 def test_cli_reports_user_errors_without_traceback(tmp_path, capsys):
-    from rlhflab.cli import main
+    from rlhflab.app.cli import main
 
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("ppo: {lr: -1}\nreward: {functions: {'rlhflab.toy_rewards:cat_reward': 1}}\n")
+    cfg.write_text(
+        "ppo: {lr: -1}\nreward: {functions: {'rlhflab.builtin.toy_rewards:cat_reward': 1}}\n"
+    )
     assert main(["ppo", "--config", str(cfg)]) == 2
     assert "error: ppo.lr: must be > 0.0" in capsys.readouterr().err
 
@@ -391,8 +393,8 @@ def test_parquet_prompts_and_memory_command(tmp_path, capsys):
     import pyarrow.parquet as pq
 
     from rlhflab import models as M
-    from rlhflab.cli import main
-    from rlhflab.presets import preset_path
+    from rlhflab.app.cli import main
+    from rlhflab.models.presets import preset_path
 
     tok = M.load_tokenizer(preset_path("nano"))
     f = tmp_path / "p.parquet"
@@ -406,7 +408,7 @@ def test_parquet_prompts_and_memory_command(tmp_path, capsys):
                 "memory",
                 "model.policy=preset:nano",
                 "model.value_model=shared",
-                "reward.functions={'rlhflab.toy_rewards:vowel_reward': 1}",
+                "reward.functions={'rlhflab.builtin.toy_rewards:vowel_reward': 1}",
             ]
         )
         == 0

@@ -4,12 +4,12 @@ import pytest
 import torch
 
 from rlhflab import models as M
-from rlhflab import rewards as R
-from rlhflab.cast import build_cast
 from rlhflab.config import load_config
-from rlhflab.data import PreferencePair
-from rlhflab.presets import preset_path
-from rlhflab.rollout import Rollout, left_pad, score_rollout
+from rlhflab.experience import rewards as R
+from rlhflab.experience.data import PreferencePair
+from rlhflab.experience.rollout import Rollout, left_pad, score_rollout
+from rlhflab.models.cast import build_cast
+from rlhflab.models.presets import preset_path
 from rlhflab.trainers.rm import heldout_scores
 
 # "answer: " + "red": joint tokenization merges the space into " red"; a rollout encodes the

@@ -1,11 +1,11 @@
-"""The reward-model checks (rlhflab/rm_checks.py) against plain loops in float64."""
+"""The reward-model checks (rlhflab/diagnostics/rm_checks.py) against plain loops in float64."""
 
 import math
 
 import pytest
 import torch
 
-from rlhflab import rm_checks as R
+from rlhflab.diagnostics import rm_checks as R
 
 
 def _ece_loop(diff, outcome, bins):
@@ -118,8 +118,8 @@ def test_a_reward_that_disagrees_with_gold_gets_a_warning():
 
 
 def test_a_model_made_elsewhere_gets_the_labels_it_can_have():
-    from rlhflab.configbase import ConfigError
-    from rlhflab.data import PreferencePair
+    from rlhflab.config.base import ConfigError
+    from rlhflab.experience.data import PreferencePair
     from rlhflab.trainers.rm import head_targets
 
     pairs = [PreferencePair("p", "a", "b", {"brevity": 0.0}), PreferencePair("p", "c", "d", {})]

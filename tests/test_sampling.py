@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from rlhflab import models as M
-from rlhflab.rollout import left_pad, policy_outputs
-from rlhflab.sampling import SamplingScores, sample
+from rlhflab.experience.rollout import left_pad, policy_outputs
+from rlhflab.experience.sampling import SamplingScores, sample
 
 
 @pytest.mark.parametrize("runtime", ["transformers", "native"])

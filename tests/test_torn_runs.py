@@ -12,9 +12,9 @@ import logging
 import pytest
 import torch
 
-from rlhflab import checkpoint as C
-from rlhflab.cli import main
-from rlhflab.runlog import read_jsonl
+from rlhflab.app.cli import main
+from rlhflab.infra import checkpoint as C
+from rlhflab.infra.runlog import read_jsonl
 from rlhflab.trainers.ppo import PPOTrainer
 from tests.test_ppo import make_cfg
 
@@ -74,7 +74,7 @@ def ppo_config(tmp_path, iterations: int):
     cfg.write_text(
         "device: cpu\n"
         "model: {policy: 'preset:nano', value_model: separate}\n"
-        "reward: {functions: {'rlhflab.toy_rewards:vowel_reward': 1.0}}\n"
+        "reward: {functions: {'rlhflab.builtin.toy_rewards:vowel_reward': 1.0}}\n"
         "rollout: {prompts_per_iteration: 8, max_new_tokens: 8}\n"
         f"ppo: {{iterations: {iterations}, epochs: 1, minibatches: 1, lr: 1.0e-3}}\n"
         f"log: {{output_dir: '{tmp_path / 'run'}', progress: false, checkpoint_every: 2,"

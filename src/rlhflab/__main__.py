@@ -1,5 +1,5 @@
 import sys
 
-from rlhflab.cli import main
+from rlhflab.app.cli import main
 
 sys.exit(main())  # the command's exit status, as the installed `rlhflab` script returns it

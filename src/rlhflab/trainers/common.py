@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
+from rlhflab.backends.optim import FusedAdamW, LambdaSchedule
 from rlhflab.config import Config
-from rlhflab.data import PromptStream, load_prompts
-from rlhflab.optim import FusedAdamW, LambdaSchedule
+from rlhflab.experience.data import PromptStream, load_prompts
 
 
 class TrainingHalted(RuntimeError):
@@ -52,7 +52,7 @@ def build_optimizer(groups: list[dict], p):
 
 def _adamw(groups: list[dict], **options):
     """rlhflab's FusedAdamW (torch's fused kernel without torch.optim's import cost,
-    rlhflab/optim.py) where it applies, else torch's own AdamW (sharded FSDP2 weights)."""
+    rlhflab/backends/optim.py) where it applies, else torch's own AdamW (sharded FSDP2 weights)."""
     params = [q for g in groups for q in g["params"]]
     if fused_ok(params):
         return FusedAdamW(groups, **options)
@@ -126,7 +126,7 @@ def load_prompt_set(cfg: Config, tokenizer) -> PromptStream:
             cfg.data.on_bad_row,
         )
     else:
-        from rlhflab import tasks
+        from rlhflab.builtin import tasks
 
         prompts = [ex.prompt for ex in tasks.make_examples(2000, seed=cfg.seed + 101)]
     return PromptStream(prompts, cfg.rollout.prompts_per_iteration, cfg.seed)

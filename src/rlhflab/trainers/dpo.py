@@ -1,6 +1,6 @@
 """DPO: the policy against the frozen reference on preference pairs (``rlhflab dpo``).
 
-No reward model and no sampling: the loss of :func:`rlhflab.losses.dpo_loss` on the
+No reward model and no sampling: the loss of :func:`rlhflab.core.losses.dpo_loss` on the
 summed log-probs of each answer. The reference's log-probs never change, so they are
 computed once, before training, and cached. Logged per step: the loss, the implicit rewards
 β·(log π − log π_ref) of chosen and rejected answers, their margin and the reward accuracy
@@ -19,17 +19,17 @@ from types import SimpleNamespace
 import torch
 import yaml
 
-from rlhflab import algorithms as A
-from rlhflab import checkpoint as C
-from rlhflab import losses as L
 from rlhflab import models as M
+from rlhflab.backends.cpu_blas import apply_cpu_matmul
+from rlhflab.backends.lean import make_activations_lean
 from rlhflab.config import Config
-from rlhflab.configbase import to_dict
-from rlhflab.cpu_blas import apply_cpu_matmul
-from rlhflab.data import load_preferences
-from rlhflab.distributed import resolve_device
-from rlhflab.lean import make_activations_lean
-from rlhflab.runlog import RunLog
+from rlhflab.config.base import to_dict
+from rlhflab.core import algorithms as A
+from rlhflab.core import losses as L
+from rlhflab.experience.data import load_preferences
+from rlhflab.infra import checkpoint as C
+from rlhflab.infra.distributed import resolve_device
+from rlhflab.infra.runlog import RunLog
 from rlhflab.trainers.common import (
     Halt,
     build_optimizer_simple,

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from rlhflab import algorithms as A
 from rlhflab.config import Config
-from rlhflab.rollout import Rollout
+from rlhflab.core import algorithms as A
+from rlhflab.experience.rollout import Rollout
 from rlhflab.trainers.ppo import PPOTrainer
 
 # Defaults that differ from PPO's; a config file or override still wins.

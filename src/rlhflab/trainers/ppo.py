@@ -6,7 +6,7 @@ shaping → 6 GAE → 7 advantage whitening → 8 PPO epochs → 9 metrics → 1
 :mod:`rlhflab.trainers.ppo_epochs`; checkpoints and resume in :mod:`~.runstate`.
 
 Every implementation detail is a field of :class:`rlhflab.config.Config`; the maths is in
-:mod:`rlhflab.algorithms`; devices, logs and checkpoints sit behind the helpers below.
+:mod:`rlhflab.core.algorithms`; devices, logs and checkpoints sit behind the helpers below.
 """
 
 from __future__ import annotations
@@ -17,10 +17,19 @@ from pathlib import Path
 
 import torch
 
-from rlhflab import algorithms as A
-from rlhflab.cast import ModelCast, build_cast, load_policy_tokenizer
 from rlhflab.config import Config, ConfigError
-from rlhflab.distributed import (
+from rlhflab.core import algorithms as A
+from rlhflab.diagnostics.memory import peak_rss_bytes
+from rlhflab.diagnostics.monitor import HackingMonitor
+from rlhflab.experience.rewards import FunctionReward, RunningMoments
+from rlhflab.experience.rollout import (
+    Rollout,
+    generate_rollout,
+    score_policy,
+    score_rollout,
+)
+from rlhflab.experience.sampling import SamplingScores
+from rlhflab.infra.distributed import (
     global_batch_moments,
     global_moments,
     init_distributed,
@@ -28,16 +37,7 @@ from rlhflab.distributed import (
     shard,
     wrap_trained,
 )
-from rlhflab.memory import peak_rss_bytes
-from rlhflab.monitor import HackingMonitor
-from rlhflab.rewards import FunctionReward, RunningMoments
-from rlhflab.rollout import (
-    Rollout,
-    generate_rollout,
-    score_policy,
-    score_rollout,
-)
-from rlhflab.sampling import SamplingScores
+from rlhflab.models.cast import ModelCast, build_cast, load_policy_tokenizer
 from rlhflab.trainers.common import (
     build_optimizer,
     build_scheduler,

@@ -14,11 +14,11 @@ import math
 
 import torch
 
-from rlhflab import algorithms as A
-from rlhflab import losses as L
-from rlhflab.distributed import accumulate
-from rlhflab.optim import UpdateInBackward, clip_grad_norms
-from rlhflab.rollout import Rollout, answer_values, policy_outputs
+from rlhflab.backends.optim import UpdateInBackward, clip_grad_norms
+from rlhflab.core import algorithms as A
+from rlhflab.core import losses as L
+from rlhflab.experience.rollout import Rollout, answer_values, policy_outputs
+from rlhflab.infra.distributed import accumulate
 from rlhflab.trainers.common import Halt
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@ and step 9's check that the KL to the reference is not significantly negative.
 
 A mixin of :class:`rlhflab.trainers.ppo.PPOTrainer` (which owns the models, the monitor and
 the KL controller read here), kept apart so that ``ppo.py`` stays a short list of numbered
-steps. The signals themselves are computed in ``rlhflab.monitor``.
+steps. The signals themselves are computed in ``rlhflab.diagnostics.monitor``.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import logging
 
 import torch
 
-from rlhflab import algorithms as A
-from rlhflab.rollout import Rollout, generate_rollout, opener_logprobs
+from rlhflab.core import algorithms as A
+from rlhflab.experience.rollout import Rollout, generate_rollout, opener_logprobs
 
 log = logging.getLogger(__name__)
 

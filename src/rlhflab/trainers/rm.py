@@ -4,7 +4,7 @@ Head ``preference`` learns the annotator's overall choice (chosen ≻ rejected);
 head learns the per-attribute label of its name (1: chosen better, 0: worse, 0.5: tie) with
 the soft Bradley-Terry loss. The training loss is the weighted mean of the head losses.
 Held-out pairwise accuracy is reported per head (ties excluded), with calibration and
-length-bias checks (``rlhflab.rm_checks``) written to ``rm_checks.json`` beside the model.
+length-bias checks (``rlhflab.diagnostics.rm_checks``) written to ``rm_checks.json`` beside the model.
 """
 
 from __future__ import annotations
@@ -18,17 +18,17 @@ from pathlib import Path
 
 import torch
 
-from rlhflab import losses as L
 from rlhflab import models as M
-from rlhflab import tasks
-from rlhflab.cast import load_frozen_reward_model
+from rlhflab.backends.cpu_blas import apply_cpu_matmul
+from rlhflab.backends.lean import make_activations_lean
+from rlhflab.builtin import tasks
 from rlhflab.config import Config, ConfigError
-from rlhflab.cpu_blas import apply_cpu_matmul
-from rlhflab.data import DataError, PreferencePair, load_preferences
-from rlhflab.distributed import resolve_device
-from rlhflab.lean import make_activations_lean
-from rlhflab.rewards import FunctionReward, RewardBatch, encode_for_reward, reward_scores
-from rlhflab.rm_checks import gold_warning, length_warning, reward_checks
+from rlhflab.core import losses as L
+from rlhflab.diagnostics.rm_checks import gold_warning, length_warning, reward_checks
+from rlhflab.experience.data import DataError, PreferencePair, load_preferences
+from rlhflab.experience.rewards import FunctionReward, RewardBatch, encode_for_reward, reward_scores
+from rlhflab.infra.distributed import resolve_device
+from rlhflab.models.cast import load_frozen_reward_model
 from rlhflab.trainers.common import (
     Halt,
     build_optimizer_simple,
@@ -83,7 +83,7 @@ def head_targets(
 
 def score_pairs(model, tokenizer, pairs: list[PreferencePair], device) -> torch.Tensor:
     """(2N, K) head scores of the chosen answers, then the rejected ones, each encoded as PPO
-    encodes a finished answer (:func:`rlhflab.rewards.encode_for_reward`: prompt and answer
+    encodes a finished answer (:func:`rlhflab.experience.rewards.encode_for_reward`: prompt and answer
     apart, EOS after the answer)."""
     prompts = [p.prompt for p in pairs] * 2
     answers = [p.chosen for p in pairs] + [p.rejected for p in pairs]

@@ -15,15 +15,15 @@ from pathlib import Path
 import torch.distributed as dist
 import yaml
 
-from rlhflab import checkpoint as C
-from rlhflab.configbase import ConfigError, to_dict
-from rlhflab.distributed import (
+from rlhflab.config.base import ConfigError, to_dict
+from rlhflab.infra import checkpoint as C
+from rlhflab.infra.distributed import (
     full_state_dict,
     load_full_state_dict,
     load_optimizer_state,
     optimizer_state,
 )
-from rlhflab.runlog import RunLog
+from rlhflab.infra.runlog import RunLog
 from rlhflab.trainers.common import progress
 
 log = logging.getLogger(__name__)

@@ -13,14 +13,14 @@ from pathlib import Path
 
 import torch
 
-from rlhflab import algorithms as A
 from rlhflab import models as M
-from rlhflab import tasks
+from rlhflab.backends.cpu_blas import apply_cpu_matmul
+from rlhflab.backends.lean import make_activations_lean
+from rlhflab.builtin import tasks
 from rlhflab.config import Config
-from rlhflab.cpu_blas import apply_cpu_matmul
-from rlhflab.data import DataError, iter_rows
-from rlhflab.distributed import resolve_device
-from rlhflab.lean import make_activations_lean
+from rlhflab.core import algorithms as A
+from rlhflab.experience.data import DataError, iter_rows
+from rlhflab.infra.distributed import resolve_device
 from rlhflab.trainers.common import (
     Halt,
     build_optimizer_simple,

@@ -1,0 +1,289 @@
+"""The `rlhflab` command line: one sub-command per stage.
+
+Every command that takes ``--config FILE`` also takes dotted overrides after it, e.g.
+``rlhflab ppo --config examples/tiny_ppo.yaml ppo.lr=3e-5 rollout.max_new_tokens=16``.
+Known user errors (bad config, data, model folder, reward function, a training run halted
+on a loss that is not finite) print one clear line and exit with status 2 — never a bare traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from rlhflab.backends.allocator import CHOICES, ENV_CHOICE, AllocatorError, in_use, restart_under
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML config file")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rlhflab", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    parser.add_argument(
+        "--allocator",
+        choices=CHOICES,
+        default=os.environ.get(ENV_CHOICE, "auto"),
+        help="malloc of this process (default: $RLHFLAB_ALLOCATOR or auto = mimalloc where "
+        "installed, Linux only; it fragments less under PPO: docs/memory.md)",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _config_args(
+        sub.add_parser(
+            "memory", help="bytes of each model in the configured cast, and what one iteration adds"
+        )
+    )
+    sub.add_parser("config", help="print every PPO config field with its default and why")
+    _config_args(sub.add_parser("sft", help="supervised fine-tuning on response tokens"))
+    rm = sub.add_parser("rm", help="Bradley-Terry reward-model training")
+    _config_args(rm)
+    rm.add_argument(
+        "--check",
+        action="store_true",
+        help="only check the reward model at reward.model on held-out pairs (no training); "
+        "writes log.output_dir/rm_checks.json",
+    )
+    demo = sub.add_parser("demo", help="SFT → RM → PPO on the built-in task, then evaluate")
+    from rlhflab.app.demo import PRESETS
+
+    demo.add_argument(
+        "--preset",
+        default="default",
+        choices=sorted(PRESETS),
+        help="; ".join(f"{k}: {v['doc']}" for k, v in PRESETS.items()),
+    )
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--out", default="runs", help="folder for runs/<preset>-s<seed>/")
+    demo.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides")
+    for name, text in (
+        ("grpo", "GRPO: group-normalised advantages, no critic"),
+        ("rloo", "RLOO: leave-one-out baseline, no critic"),
+    ):
+        q = sub.add_parser(name, help=text)
+        _config_args(q)
+        q.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    _config_args(sub.add_parser("dpo", help="DPO on preference pairs (policy + reference)"))
+    cmp_ = sub.add_parser("compare", help="PPO, GRPO, RLOO and DPO side by side on the task")
+    cmp_.add_argument("--preset", default="quick", choices=sorted(PRESETS))
+    cmp_.add_argument("--seed", type=int, default=0)
+    cmp_.add_argument("--out", default="runs", help="folder for runs/compare-<preset>-s<seed>/")
+    cmp_.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides")
+    report = sub.add_parser("report", help="write RUN_DIR/report.html (self-contained)")
+    report.add_argument("run_dir", help="a PPO run directory (log.output_dir)")
+    ppo = sub.add_parser("ppo", help="PPO against a reward model")
+    _config_args(ppo)
+    ppo.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    return parser
+
+
+def cmd_memory(args) -> int:
+    from rlhflab.config import load_config
+    from rlhflab.diagnostics.memory import (
+        cast_memory,
+        format_iteration,
+        format_table,
+        iteration_memory,
+        peak_rss_bytes,
+    )
+    from rlhflab.models.cast import build_cast
+
+    cfg = load_config(args.config, args.overrides)
+    cast = build_cast(cfg)
+    rows = cast_memory(cast)
+    print(format_table(rows, peak_rss_bytes()))
+    print(format_iteration(iteration_memory(cast, cfg), rows))
+    return 0
+
+
+def cmd_config(args) -> int:
+    from rlhflab.config import Config
+    from rlhflab.config.base import describe
+
+    print("\n".join(describe(Config)))
+    return 0
+
+
+def cmd_ppo(args) -> int:
+    from rlhflab.config import load_config
+    from rlhflab.trainers.ppo import train
+
+    cfg = load_config(args.config, args.overrides)
+    summary = train(cfg, resume=args.resume)
+    print(f"done: {summary['iterations']} iterations, output in {cfg.log.output_dir}")
+    return 0
+
+
+def cmd_grpo(args) -> int:
+    from rlhflab.config import load_config
+    from rlhflab.trainers.grpo import GRPO_BASE, train
+
+    cfg = load_config(args.config, args.overrides, base=GRPO_BASE, stage=args.command)
+    summary = train(cfg, estimator=args.command, resume=args.resume)
+    print(f"done: {summary['iterations']} iterations, output in {cfg.log.output_dir}")
+    return 0
+
+
+def cmd_dpo(args) -> int:
+    from rlhflab.config import load_config
+    from rlhflab.trainers.dpo import DPO_BASE, train
+
+    cfg = load_config(args.config, args.overrides, base=DPO_BASE, stage="dpo")
+    summary = train(cfg)
+    last = summary["last"]
+    print(
+        f"done: {summary['steps']} steps; reward accuracy {last['rewards/accuracy']:.3f}, "
+        f"margin {last['rewards/margin']:.3f}; output in {cfg.log.output_dir}"
+    )
+    return 0
+
+
+def cmd_sft(args) -> int:
+    from rlhflab.config import load_config
+    from rlhflab.trainers.sft import train_sft
+
+    result = train_sft(load_config(args.config, args.overrides, stage="sft"))
+    print(
+        f"SFT loss {result['loss_first']:.3f} → {result['loss_last']:.3f}; "
+        f"model saved to {result['output_dir']}"
+    )
+    return 0
+
+
+def cmd_rm(args) -> int:
+    from rlhflab.config import load_config
+    from rlhflab.trainers.rm import check_reward_model, format_checks, train_rm
+
+    cfg = load_config(args.config, args.overrides, stage="rm")
+    if args.check:
+        print(format_checks(check_reward_model(cfg)))
+        print(f"written to {os.path.join(cfg.log.output_dir, 'rm_checks.json')}")
+        return 0
+    result = train_rm(cfg)
+    acc = ", ".join(f"{k} {v:.3f}" for k, v in result["heldout_accuracy"].items())
+    print(f"held-out pairwise accuracy: {acc}; model saved to {result['output_dir']}")
+    print(format_checks(result["heldout_checks"]))
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from rlhflab.app.demo import format_summary, run_demo
+
+    summary = run_demo(args.preset, args.seed, args.out, args.overrides)
+    print(format_summary(summary))
+    print(f"summary: {args.out}/{args.preset}-s{args.seed}/summary.json")
+    print(f"report:  {summary['report']}")
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from rlhflab.app.compare import format_table, run_compare
+
+    table = run_compare(args.preset, args.seed, args.out, args.overrides)
+    print(format_table(table))
+    print(f"written to {table['run_dir']}/compare.json and compare.md")
+    return 0
+
+
+def cmd_report(args) -> int:
+    from rlhflab.app.report import build_report
+
+    try:
+        path = build_report(args.run_dir)
+    except FileNotFoundError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"report: {path}")
+    return 0
+
+
+COMMANDS = {
+    "memory": cmd_memory,
+    "config": cmd_config,
+    "ppo": cmd_ppo,
+    "sft": cmd_sft,
+    "rm": cmd_rm,
+    "demo": cmd_demo,
+    "report": cmd_report,
+    "grpo": cmd_grpo,
+    "rloo": cmd_grpo,
+    "dpo": cmd_dpo,
+    "compare": cmd_compare,
+}
+
+
+# the commands whose trainers split work over torchrun's ranks (rlhflab.infra.distributed)
+ON_SEVERAL_RANKS = ("ppo", "grpo", "rloo")
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    from rlhflab.config.base import ConfigError
+    from rlhflab.experience.rewards import RewardError
+    from rlhflab.models import ModelLoadError
+    from rlhflab.trainers.common import TrainingHalted
+
+    errors: list[type[BaseException]] = [ConfigError, ModelLoadError, RewardError]
+    errors.append(TrainingHalted)  # a non-finite loss: the message says what to lower
+    from rlhflab.infra.checkpoint import CheckpointError
+    from rlhflab.infra.runlog import RunLogError
+
+    errors += [CheckpointError, RunLogError]  # a run directory damaged past resuming
+    try:
+        from rlhflab.experience.data import DataError
+
+        errors.append(DataError)
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.version:
+        from rlhflab import __version__
+
+        print(__version__)
+        return 0
+    if args.command is None:
+        parser.print_help()
+        return 0
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and args.command not in ON_SEVERAL_RANKS:
+        print(
+            f"error: rlhflab {args.command} runs in one process; under torchrun "
+            f"(WORLD_SIZE={world}) every rank would do the same work into the same output "
+            f"folder. Run it without torchrun ({', '.join(ON_SEVERAL_RANKS)} run on several "
+            "ranks: docs/distributed.md)",
+            file=sys.stderr,
+        )
+        return 2
+    if argv is None:  # the real command line, not a call from Python: may restart itself
+        try:
+            restart_under(args.allocator, sys.argv[1:])
+        except AllocatorError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger(__name__).info("allocator: %s", in_use())
+    try:
+        code = COMMANDS[args.command](args)
+    except user_errors() as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    from rlhflab.infra.distributed import exit_without_teardown, shutdown_distributed
+
+    # under torchrun: leave the process group; as the command line, then also skip the
+    # interpreter's teardown, where gloo's threads can abort a finished run
+    if shutdown_distributed() and argv is None:
+        exit_without_teardown(code)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""``rlhflab compare``: PPO, GRPO, RLOO and DPO from the same SFT model, side by side.
+
+One SFT model and one reward model (the demo's stages), then each method in its own process
+(so each peak-memory figure is its own): PPO, GRPO and RLOO with an equal budget of
+generated tokens (same iterations × answers per iteration × answer length), DPO on as many
+preference pairs as the reward model was trained on. Every final policy is evaluated on the
+same held-out prompts. The table goes to ``compare.json`` / ``compare.md`` in the run folder
+and into each method's ``report.html``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rlhflab.app.tables import COMPARE_COLUMNS
+from rlhflab.config import Config, validate
+from rlhflab.config import base as configbase
+
+METHODS = ("ppo", "grpo", "rloo", "dpo")
+COLUMNS = COMPARE_COLUMNS
+
+
+def method_config(cfg: Config, method: str, run: Path) -> Config:
+    """The demo config adapted to one method; everything else (seed, data, budget) equal."""
+    d = configbase.to_dict(copy.deepcopy(cfg))
+    d["log"]["output_dir"] = str(run / method)
+    if method in ("grpo", "rloo"):
+        d["model"]["value_model"] = "none"
+        d["ppo"].update({"kl_placement": "loss", "kl_estimator": "k3"})
+    elif method == "dpo":
+        d["model"]["value_model"] = "none"
+        d["dpo"]["pairs"] = d["rm"]["pairs"]
+    return validate(configbase.build(Config, d), method)
+
+
+def worker(method: str, config_json: str, eval_prompts: int) -> dict:
+    """Train one method, evaluate it, return its row (runs in a fresh process)."""
+    from rlhflab.builtin import tasks
+    from rlhflab.diagnostics.evaluate import evaluate_policy
+    from rlhflab.diagnostics.memory import peak_rss_bytes
+    from rlhflab.models.cast import load_frozen_policy
+
+    cfg = validate(configbase.build(Config, json.loads(config_json)), method)
+    cfg.log.progress = False
+    start = time.perf_counter()
+    if method == "dpo":
+        from rlhflab.trainers.dpo import DPOTrainer
+
+        trainer = DPOTrainer(cfg)
+        trainer.fit()
+        policy, tok, models = trainer.policy, trainer.tokenizer, 2
+    else:
+        from rlhflab.trainers.grpo import GRPOTrainer
+        from rlhflab.trainers.ppo import PPOTrainer
+
+        trainer = PPOTrainer(cfg) if method == "ppo" else GRPOTrainer(cfg, estimator=method)
+        trainer.fit()
+        policy, tok, models = (
+            trainer.cast.policy_lm,
+            trainer.cast.tokenizer,
+            len(trainer.cast.models()),
+        )
+    wall = time.perf_counter() - start
+    # the proxy is the same weighted reward model for every method (DPO never saw it)
+    reward = trainer.cast.reward if method != "dpo" else _reward_only(cfg)
+    sft = load_frozen_policy(cfg, tok)
+    prompts = [ex.prompt for ex in tasks.make_examples(eval_prompts, seed=10_000 + cfg.seed)]
+    result = evaluate_policy(
+        policy, sft, tok, prompts, reward, cfg.rollout.max_new_tokens, seed=cfg.seed
+    )
+    return {
+        "method": method,
+        "gold": result["gold"],
+        "proxy": result["proxy"],
+        "kl_to_reference": result["kl_to_reference"],
+        "accuracy": result["accuracy"],
+        "wall_s": wall,
+        "peak_mib": peak_rss_bytes() / 2**20,
+        "models": models,
+    }
+
+
+def _reward_only(cfg: Config):
+    """The weighted reward of a config, without building the rest of a cast."""
+    from rlhflab.experience.rewards import CompositeReward
+    from rlhflab.models.cast import _reward_sources, load_frozen_reward_model, load_policy_tokenizer
+
+    rm, rm_tok = load_frozen_reward_model(cfg, "cpu")
+    return CompositeReward(_reward_sources(cfg, load_policy_tokenizer(cfg), "cpu", rm, rm_tok))
+
+
+def run_compare(
+    preset: str = "quick",
+    seed: int = 0,
+    out_root: str | Path = "runs",
+    extra: list[str] | None = None,
+    progress: bool = True,
+    eval_prompts: int | None = None,
+) -> dict:
+    """Train SFT and the reward model once, then each method in its own process.
+
+    ``extra`` are config overrides applied to every stage (``ppo.iterations=5``);
+    ``eval_prompts`` defaults to the preset's held-out set size.
+    """
+    from rlhflab.app.demo import _COMMON, PRESETS, demo_config
+    from rlhflab.config import load_config
+    from rlhflab.trainers.rm import train_rm
+    from rlhflab.trainers.sft import train_sft
+
+    run, cfg = demo_config(preset, seed, Path(out_root), extra)
+    run = run.with_name(f"compare-{run.name}")
+    run.mkdir(parents=True, exist_ok=True)
+    cfg.sft.output_dir, cfg.rm.output_dir = str(run / "sft"), str(run / "rm")
+    cfg.model.policy, cfg.reward.model = str(run / "sft"), str(run / "rm")
+    cfg.log.progress = progress and cfg.log.progress
+    sft_cfg = load_config(base=_COMMON, overrides=[f"seed={seed}"], stage="sft")
+    sft_cfg.sft, sft_cfg.log = cfg.sft, cfg.log
+    train_sft(sft_cfg)
+    train_rm(cfg)
+    rows = []
+    for method in METHODS:
+        mc = method_config(cfg, method, run)
+        args = [
+            sys.executable,
+            "-c",
+            "import sys, json; from rlhflab.app.compare import worker; "
+            "print(json.dumps(worker(sys.argv[1], sys.argv[2], int(sys.argv[3]))))",
+            method,
+            json.dumps(configbase.to_dict(mc)),
+            str(eval_prompts or PRESETS[preset]["eval_prompts"]),
+        ]
+        done = subprocess.run(args, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"compare: {method} failed:\n{done.stderr[-2000:]}")
+        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        if progress:
+            print(format_row(rows[-1]), flush=True)
+    table = {"preset": preset, "seed": seed, "rows": rows}
+    (run / "compare.json").write_text(json.dumps(table, indent=2))
+    (run / "compare.md").write_text(format_table(table) + "\n")
+    from rlhflab.app.report import build_report
+
+    for method in METHODS:
+        if (run / method / "metrics.jsonl").exists():
+            build_report(run / method)
+    table["run_dir"] = str(run)
+    return table
+
+
+def format_row(r: dict) -> str:
+    return (
+        f"| {r['method']} | "
+        + " | ".join(f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in COLUMNS)
+        + " |"
+    )
+
+
+def format_table(table: dict) -> str:
+    head = "| method | " + " | ".join(COLUMNS) + " |"
+    sep = "|" + " --- |" * (len(COLUMNS) + 1)
+    return "\n".join(
+        [
+            f"preset {table['preset']}, seed {table['seed']}",
+            "",
+            head,
+            sep,
+            *(format_row(r) for r in table["rows"]),
+        ]
+    )

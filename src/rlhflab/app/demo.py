@@ -1,0 +1,198 @@
+"""The whole of RLHF on a laptop CPU: SFT → reward model → PPO → held-out evaluation.
+
+``rlhflab demo [--preset NAME] [--seed N]`` runs the three stages on the built-in task and
+evaluates the SFT and PPO policies on held-out prompts, against the gold reward (correct,
+concise, no filler) and the proxy reward (the reward model PPO optimised). The result is a
+table on the terminal and ``runs/<preset>-s<seed>/summary.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+from rlhflab.app.tables import DEMO_COLUMNS
+from rlhflab.builtin import tasks
+from rlhflab.config import load_config
+from rlhflab.diagnostics.evaluate import evaluate_policy
+from rlhflab.models.cast import load_frozen_policy
+
+log = logging.getLogger(__name__)
+
+_COMMON = {
+    "device": "cpu",
+    "model": {"policy": "preset:tiny"},
+    "rollout": {"prompts_per_iteration": 64, "max_new_tokens": 24},
+    "ppo": {"epochs": 4, "minibatches": 4, "lr": 5e-5, "critic_lr": 2e-4, "kl_coef": 0.1},
+    "log": {"sample_every": 5, "checkpoint_every": 1000},
+    # the built-in task has a gold reward: the monitors measure the proxy against it
+    "monitor": {"gold": "rlhflab.builtin.tasks:gold_reward"},
+}
+
+# Each preset is a set of config overrides on top of _COMMON (dotted keys) plus how many
+# held-out prompts to evaluate on.
+PRESETS: dict[str, dict] = {
+    "quick": {
+        "doc": "under 2 minutes on 2 cores; used by the tests",
+        "eval_prompts": 256,
+        "overrides": {
+            "sft.steps": 500,
+            "rm.steps": 200,
+            "rm.pairs": 1500,
+            "ppo.iterations": 15,
+            "reward.heads": {"preference": 1.0, "correctness": 2.0},
+        },
+    },
+    "default": {
+        "doc": "the full demo, about 5 minutes on 2 cores",
+        "eval_prompts": 512,
+        "overrides": {
+            "sft.steps": 1000,
+            "rm.steps": 400,
+            "ppo.iterations": 40,
+            "reward.heads": {"preference": 1.0, "correctness": 2.0},
+        },
+    },
+    "hacking": {
+        "doc": "an annotator that loves long, flattering answers and a tiny β: reward hacking",
+        "eval_prompts": 512,
+        "overrides": {
+            "sft.steps": 1000,
+            "rm.steps": 400,
+            "ppo.iterations": 50,
+            "rm.length_bias": 0.3,
+            "rm.flattery_bias": 1.5,
+            "reward.heads": {"preference": 1.0, "politeness": 1.0},
+            "ppo.kl_coef": 0.001,
+            # a tenth of the other presets' lr: the slide takes ~10 iterations instead of 2,
+            # so there is time to see it coming (docs/monitors.md)
+            "ppo.lr": 5e-6,
+        },
+    },
+}
+
+COLUMNS = DEMO_COLUMNS
+
+
+def demo_config(preset: str, seed: int, out_root: str | Path = "runs", extra=None):
+    """The resolved config of a demo preset, with every stage's output in the run folder."""
+    if preset not in PRESETS:
+        from rlhflab.config import ConfigError
+
+        raise ConfigError(f"--preset: unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    run = Path(out_root) / f"{preset}-s{seed}"
+    overrides = {
+        **PRESETS[preset]["overrides"],
+        "seed": seed,
+        "sft.output_dir": str(run / "sft"),
+        "rm.output_dir": str(run / "rm"),
+        "log.output_dir": str(run / "ppo"),
+        "model.policy": str(run / "sft"),
+        "reward.model": str(run / "rm"),
+    }
+    items = [f"{k}={json.dumps(v)}" for k, v in overrides.items()] + list(extra or [])
+    return run, load_config(base=_COMMON, overrides=items)
+
+
+def run_demo(
+    preset: str = "default",
+    seed: int = 0,
+    out_root: str | Path = "runs",
+    extra: list[str] | None = None,
+    progress: bool = True,
+) -> dict:
+    from rlhflab.trainers.ppo import PPOTrainer
+    from rlhflab.trainers.rm import train_rm
+    from rlhflab.trainers.sft import train_sft
+
+    run, cfg = demo_config(preset, seed, out_root, extra)
+    cfg.log.progress = progress and cfg.log.progress  # `log.progress=false` wins
+    run.mkdir(parents=True, exist_ok=True)
+    timing, t_all = {}, time.perf_counter()
+
+    # Stage 1: SFT from the randomly initialised preset on the noisy teacher's answers.
+    t0 = time.perf_counter()
+    sft_cfg = load_config(base=_COMMON, overrides=[f"seed={seed}"], stage="sft")
+    sft_cfg.sft, sft_cfg.log = cfg.sft, cfg.log
+    sft = train_sft(sft_cfg)
+    timing["sft"] = time.perf_counter() - t0
+
+    # Stage 2: a multi-head Bradley-Terry reward model, initialised from the SFT model.
+    t0 = time.perf_counter()
+    rm = train_rm(cfg)
+    timing["rm"] = time.perf_counter() - t0
+
+    # Stage 3: PPO from the SFT policy against the reward model.
+    t0 = time.perf_counter()
+    trainer = PPOTrainer(cfg)
+    ppo = trainer.fit()
+    timing["ppo"] = time.perf_counter() - t0
+
+    # Evaluation on held-out prompts (a seed the training prompts never use).
+    t0 = time.perf_counter()
+    prompts = [
+        ex.prompt for ex in tasks.make_examples(PRESETS[preset]["eval_prompts"], seed=10_000 + seed)
+    ]
+    tok = trainer.cast.tokenizer
+    sft_model = load_frozen_policy(cfg, tok, trainer.device)
+    kw = {
+        "reward": trainer.cast.reward,
+        "max_new_tokens": cfg.rollout.max_new_tokens,
+        "seed": seed,
+        "device": trainer.device,
+    }
+    results = {
+        "sft": evaluate_policy(sft_model, sft_model, tok, prompts, **kw),
+        "ppo": evaluate_policy(trainer.cast.policy_lm, sft_model, tok, prompts, **kw),
+    }
+    timing["eval"] = time.perf_counter() - t0
+    timing["total"] = time.perf_counter() - t_all
+
+    summary = {
+        "preset": preset,
+        "seed": seed,
+        **results,
+        "rm": {
+            "heldout_accuracy": rm["heldout_accuracy"],
+            "pairs": rm["pairs"],
+            "checks": rm["heldout_checks"],
+        },
+        "sft_training": {"loss_first": sft["loss_first"], "loss_last": sft["loss_last"]},
+        "ppo_training": {"iterations": ppo["iterations"], "stop_reason": ppo["stop_reason"]},
+        "timing": timing,
+    }
+    (run / "summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False))
+    from rlhflab.app.report import build_report
+
+    summary["report"] = str(build_report(cfg.log.output_dir))
+    return summary
+
+
+def format_summary(summary: dict) -> str:
+    lines = [f"rlhflab demo — preset {summary['preset']}, seed {summary['seed']}", ""]
+    lines.append(f"{'policy':<8}" + "".join(f"{c:>17}" for c in COLUMNS))
+    for name in ("sft", "ppo"):
+        row = summary[name]
+        lines.append(f"{name:<8}" + "".join(f"{row.get(c, float('nan')):>17.3f}" for c in COLUMNS))
+    d = summary["ppo"]["gold"] - summary["sft"]["gold"]
+    p = summary["ppo"]["proxy"] - summary["sft"]["proxy"]
+    lines.append("")
+    lines.append(
+        f"gold reward {d:+.3f}, proxy reward {p:+.3f} "
+        + ("(proxy up, gold down: reward hacking)" if p > 0 > d else "")
+    )
+    acc = ", ".join(f"{k} {v:.2f}" for k, v in summary["rm"]["heldout_accuracy"].items())
+    lines.append(f"reward model held-out accuracy: {acc}")
+    gold = summary["rm"].get("checks", {}).get("reward_vs_gold")
+    keys = ("accuracy", "longer_preferred", "longer_preferred_by_labels")
+    if gold and all(gold.get(k) is not None for k in keys):
+        lines.append(
+            f"reward model vs gold: agrees on {gold['accuracy']:.2f} of held-out pairs, "
+            f"prefers the longer answer in {gold['longer_preferred']:.2f} (gold: "
+            f"{gold['longer_preferred_by_labels']:.2f})"
+        )
+    t = summary["timing"]
+    lines.append("wall time: " + ", ".join(f"{k} {v:.0f}s" for k, v in t.items()))
+    return "\n".join(lines)

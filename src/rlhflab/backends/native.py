@@ -1,0 +1,411 @@
+"""rlhflab's own runtime for Llama-architecture checkpoints (``model.runtime: native``).
+
+Why: loading a model through transformers imports its model-loading stack
+(``transformers.utils.type_validators`` → ``core_model_loading`` →
+``torch.distributed.tensor`` → ``torch._dynamo`` and sympy, plus accelerate): ~115 MiB of
+resident memory on top of torch's own, more than a 4M-parameter run's weights, gradients
+and AdamW state together (docs/benchmarks.md, "Import cost"). The forward passes rlhflab
+needs from a Llama model are few — logits with an optional KV cache, the backbone's last
+hidden state, a linear head — so this module implements them directly on the same
+safetensors, with the same parameter names: a checkpoint saved here loads in transformers
+and back, and FSDP's ``base_model.layers`` and the lean activations find what they expect.
+With rlhflab's own AdamW (:mod:`rlhflab.backends.optim`; constructing a ``torch.optim`` optimiser
+imports ``torch._dynamo`` as well) a run stays at torch's import floor. The whole models,
+loading and saving are in :mod:`rlhflab.backends.native_models`.
+
+What it supports, checked when the config is read (anything else is refused with the
+field named, never guessed at): ``model_type: llama``, SiLU MLP, the default RoPE (no
+scaling), ``pretraining_tp: 1``; grouped-query attention, attention/MLP biases and tied
+embeddings are handled. The arithmetic follows transformers' Llama (RMSNorm in float32,
+RoPE angles in float32, SDPA attention), so logits agree with it to float rounding
+(tests/test_native.py). Two documented differences: a pad *query* position attends to
+itself only (transformers lets it attend everywhere; both outputs are masked out later),
+and new embedding rows (a pad token added to the vocabulary) start at the mean of the
+existing rows instead of a random draw around it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rlhflab.backends.lean import rms_norm_plain
+
+SUPPORTED_MODEL_TYPES = ("llama",)
+
+
+class NativeConfigError(ValueError):
+    """A checkpoint the native runtime does not implement (the message names the field)."""
+
+
+class NativeConfig:
+    """The fields of a checkpoint's config.json, as attributes (``cfg.hidden_size``).
+
+    Unknown fields are kept as they were read and written back unchanged on save, so a
+    checkpoint round-trips through rlhflab without losing anything transformers needs.
+    """
+
+    def __init__(self, fields: dict):
+        self.__dict__.update(fields)
+        labels = fields.get("id2label") or {"0": "LABEL_0"}
+        self.id2label = {int(k): v for k, v in labels.items()}
+        self.label2id = {v: k for k, v in self.id2label.items()}
+        self.head_dim = fields.get("head_dim") or self.hidden_size // self.num_attention_heads
+        self.num_key_value_heads = fields.get("num_key_value_heads") or self.num_attention_heads
+
+    @property
+    def num_labels(self) -> int:
+        return len(self.id2label)
+
+    @num_labels.setter
+    def num_labels(self, n: int) -> None:
+        if n != self.num_labels:
+            self.id2label = {i: f"LABEL_{i}" for i in range(n)}
+            self.label2id = {v: k for k, v in self.id2label.items()}
+
+    def rope_theta(self) -> float:
+        params = getattr(self, "rope_parameters", None) or {}
+        return float(params.get("rope_theta", getattr(self, "rope_theta", 10000.0)))
+
+    def to_dict(self) -> dict:
+        out = {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+        out["id2label"] = {str(k): v for k, v in self.id2label.items()}
+        out["label2id"] = dict(self.label2id)
+        return out
+
+
+def read_config(folder: str | Path) -> NativeConfig:
+    """config.json of ``folder``, checked against what this runtime implements."""
+    path = Path(folder) / "config.json"
+    try:
+        fields = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise NativeConfigError(f"{path}: not valid JSON ({err})") from None
+    checks = {
+        "model_type": (fields.get("model_type"), SUPPORTED_MODEL_TYPES),
+        "hidden_act": (fields.get("hidden_act", "silu"), ("silu",)),
+        "pretraining_tp": (fields.get("pretraining_tp", 1), (1,)),
+    }
+    rope = fields.get("rope_parameters") or fields.get("rope_scaling") or {}
+    checks["rope_parameters.rope_type"] = (rope.get("rope_type", "default"), ("default",))
+    for field, (value, allowed) in checks.items():
+        if value not in allowed:
+            raise NativeConfigError(
+                f"{path}: {field}={value!r} is not supported by model.runtime=native "
+                f"(supported: {list(allowed)}); use model.runtime=transformers"
+            )
+    return NativeConfig(fields)
+
+
+# ----------------------------------------------------------------------------- the blocks
+
+
+class NativeRMSNorm(nn.Module):
+    """Llama RMSNorm: w · x / sqrt(mean(x²) + eps), computed in float32 for 16-bit x."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.variance_epsilon = eps  # the name lean.make_activations_lean looks for
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm_plain(x, self.weight, self.variance_epsilon)
+
+
+class NativeMLP(nn.Module):
+    """SwiGLU: down(SiLU(gate(x)) · up(x))."""
+
+    def __init__(self, cfg: NativeConfig):
+        super().__init__()
+        bias = bool(getattr(cfg, "mlp_bias", False))
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """[x1·c − x2·s, x2·c + x1·s] for x (..., 2h) = [x1, x2] and c, s (..., h): the rotary
+    embedding, written into one output (transformers' q·cos + rotate_half(q)·sin with
+    cos = [c, c], sin = [s, s] makes ~4.5 passes over q and a cat; this makes 2)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    out = torch.empty_like(x)
+    o1, o2 = out[..., :half], out[..., half:]
+    torch.mul(x1, cos, out=o1).addcmul_(x2, sin, value=-1)
+    torch.mul(x2, cos, out=o2).addcmul_(x1, sin)
+    return out
+
+
+class _RotaryFn(torch.autograd.Function):
+    """The rotary embedding as one autograd node that keeps only c and s: the gradient of
+    a rotation by θ is the rotation by −θ of the incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return _rotate(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        return _rotate(grad, cos, -sin), None, None
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding of x (B, heads, L, 2h) with cos, sin (B, 1, L, h)."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _RotaryFn.apply(x, cos, sin)
+    return _rotate(x, cos, sin)
+
+
+class KVCache:
+    """Keys and values (B, kv_heads, T, head_dim) per layer, written into buffers that
+    double in length when full; attention reads the filled part as a view.
+
+    Growing by ``torch.cat`` every step copies the whole cache each step (O(T²) bytes per
+    answer: 0.22 s of a 1.75 s sampling pass at 25M, 16 × 64 tokens, on the Intel Xeon VM);
+    doubling copies it O(log T) times. (Buffers sized once for prompt + answer were tried
+    on the AMD EPYC VM earlier and were no faster there, 360-400 vs 415 tokens/s.)
+    """
+
+    def __init__(self):
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.lengths: list[int] = []
+
+    def get_seq_length(self) -> int:
+        return self.lengths[0] if self.lengths else 0
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Append this step's k, v (B, kv_heads, t, head_dim); return all so far."""
+        if layer == len(self.keys):
+            self.keys.append(k)
+            self.values.append(v)
+            self.lengths.append(k.shape[2])
+            return k, v
+        start = self.lengths[layer]
+        end = start + k.shape[2]
+        if end > self.keys[layer].shape[2]:
+            capacity = max(end, 2 * self.keys[layer].shape[2])
+            self.keys[layer] = _grown(self.keys[layer], start, capacity)
+            self.values[layer] = _grown(self.values[layer], start, capacity)
+        self.keys[layer][:, :, start:end] = k
+        self.values[layer][:, :, start:end] = v
+        self.lengths[layer] = end
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+    def batch_repeat_interleave(self, n: int) -> None:
+        """Row i becomes rows i·n … i·n+n−1 (one prompt, n continuations)."""
+        self.keys = [k.repeat_interleave(n, 0) for k in self.keys]
+        self.values = [v.repeat_interleave(n, 0) for v in self.values]
+
+
+def _grown(buffer: torch.Tensor, filled: int, capacity: int) -> torch.Tensor:
+    """A (B, heads, capacity, d) buffer holding ``buffer``'s first ``filled`` positions."""
+    B, H, _, D = buffer.shape
+    out = buffer.new_empty(B, H, capacity, D)
+    out[:, :, :filled] = buffer[:, :, :filled]
+    return out
+
+
+class NativeAttention(nn.Module):
+    def __init__(self, cfg: NativeConfig, layer: int):
+        super().__init__()
+        self.layer, hd = layer, cfg.head_dim
+        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        bias = bool(getattr(cfg, "attention_bias", False))
+        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * hd, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(self.heads * hd, cfg.hidden_size, bias=bias)
+
+    def forward(self, x, cos, sin, mask, cache: KVCache | None, keep: int = 0):
+        """x (B, L, H); cos/sin (B, L, head_dim / 2); mask (B, 1, L, T) bool or None =
+        causal. ``keep`` > 0: queries (and the output, (B, keep, H)) for the last ``keep``
+        positions only; keys and values still cover all L."""
+        B, L, _ = x.shape
+        Lq = keep if 0 < keep < L else L
+        xq = x[:, L - Lq :] if Lq < L else x
+        q = self.q_proj(xq).view(B, Lq, self.heads, -1).transpose(1, 2)
+        k = self.k_proj(x).view(B, L, self.kv_heads, -1).transpose(1, 2)
+        v = self.v_proj(x).view(B, L, self.kv_heads, -1).transpose(1, 2)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        q = apply_rotary(q, cos[:, :, L - Lq :], sin[:, :, L - Lq :])
+        k = apply_rotary(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(self.layer, k, v)
+        if Lq < L:
+            mask = _last_rows(mask, Lq, k.shape[2], x.device)
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=mask is None and Lq > 1,
+            enable_gqa=self.kv_heads != self.heads,
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(B, Lq, -1))
+
+
+def _last_rows(mask: torch.Tensor | None, rows: int, T: int, device) -> torch.Tensor:
+    """The last ``rows`` query rows of a (B, 1, L, T) mask; for None (causal, nothing
+    padded) a (rows, T) causal mask aligned to the bottom right, which SDPA's ``is_causal``
+    is not when there are fewer queries than keys (it aligns to the top left)."""
+    if mask is not None:
+        return mask[:, :, -rows:]
+    return torch.ones(rows, T, dtype=torch.bool, device=device).tril(T - rows)
+
+
+class NativeDecoderLayer(nn.Module):
+    def __init__(self, cfg: NativeConfig, layer: int):
+        super().__init__()
+        self.self_attn = NativeAttention(cfg, layer)
+        self.mlp = NativeMLP(cfg)
+        self.input_layernorm = NativeRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = NativeRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h, cos, sin, mask, cache, keep: int = 0):
+        """h (B, L, H) → (B, L, H), or (B, keep, H) for the last ``keep`` positions when
+        0 < keep < L (every position still gives its key and value)."""
+        attn = self.self_attn(self.input_layernorm(h), cos, sin, mask, cache, keep)
+        h = (h[:, -attn.shape[1] :] if attn.shape[1] < h.shape[1] else h) + attn
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def recomputed_in_backward(fn, *args):
+    """``fn(*args)`` keeping none of its intermediate tensors for backward: when backward
+    first needs one, ``fn`` runs again on the same inputs, and each tensor it saves is
+    handed to backward once and then dropped (activation checkpointing, non-reentrant: the
+    forward builds the graph as usual, only the tensors it would save are not kept).
+
+    Not ``torch.utils.checkpoint``: its non-reentrant path reads ``torch._dynamo.config``,
+    which imports torch's compiler stack (+76 MiB resident, ~800 modules, torch 2.13) —
+    what ``model.runtime=native`` exists to avoid. ``fn`` must save the same tensors in the
+    same order when run again: the decoder layer draws no random numbers (no dropout). The
+    recomputation's own graph keeps nothing (its pack hook returns None; one that returned
+    the tensor ties an output to its own grad_fn in a cycle Python cannot collect: a 25M
+    GRPO worker's peak went 1067 → 2028 MiB that way), and each recomputed tensor is kept
+    detached and dropped once backward has used it."""
+    count = [0]
+    recomputed: dict[int, torch.Tensor] = {}
+
+    def pack(_tensor) -> int:  # the forward keeps each saved tensor's position only
+        count[0] += 1
+        return count[0] - 1
+
+    def keep(tensor) -> None:  # the recomputation keeps a detached copy, by position
+        recomputed[len(recomputed)] = tensor.detach()
+
+    def unpack(index: int) -> torch.Tensor:
+        if index not in recomputed:  # first use in this backward: run the segment again
+            recomputed.clear()
+            inputs = [
+                a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
+                for a in args
+            ]
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(keep, _unused):
+                fn(*inputs)
+            if len(recomputed) != count[0]:
+                raise RuntimeError(
+                    f"activation checkpointing: the recomputed forward saved "
+                    f"{len(recomputed)} tensors where the first saved {count[0]} (a segment "
+                    "that is not deterministic?)"
+                )
+        return recomputed.pop(index)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        return fn(*args)
+
+
+def _unused(_packed) -> None:
+    raise RuntimeError("the graph of a recomputed segment is never run backward")
+
+
+def attention_mask_4d(attention_mask: torch.Tensor, q_len: int) -> torch.Tensor | None:
+    """(B, T) 0/1 key mask → (B, 1, q_len, T) bool, causal over the last q_len positions;
+    None when nothing is padded and there is no cache (SDPA's own causal kernel then).
+
+    A query may see key j when j is a real token at or before it; every query also sees
+    itself, so a pad query's row is never empty (an empty row would be NaN in SDPA).
+    """
+    B, T = attention_mask.shape
+    if T == q_len and bool(attention_mask.all()):
+        return None
+    device = attention_mask.device
+    rows = torch.arange(T - q_len, T, device=device)[:, None]
+    cols = torch.arange(T, device=device)[None, :]
+    allowed = (cols <= rows) & attention_mask.bool()[:, None, None, :]
+    return allowed | (cols == rows)
+
+
+@dataclass
+class NativeOutput:
+    logits: torch.Tensor | None = None
+    last_hidden_state: torch.Tensor | None = None
+    past_key_values: KVCache | None = None
+
+
+class NativeLlamaModel(nn.Module):
+    """The backbone: embeddings, decoder layers, final norm (transformers' ``model.*``)."""
+
+    def __init__(self, cfg: NativeConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            NativeDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = NativeRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+        self.checkpointing = False
+
+    def _inv_freq(self) -> torch.Tensor:
+        d = self.config.head_dim
+        return 1.0 / (self.config.rope_theta() ** (torch.arange(0, d, 2, dtype=torch.float) / d))
+
+    def forward(
+        self,
+        input_ids,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values: KVCache | None = None,
+        use_cache: bool = False,
+        keep_last: int = 0,
+    ) -> NativeOutput:
+        """Last hidden states (B, L, H), or (B, keep_last, H) of the last ``keep_last``
+        positions when 0 < keep_last < L: then the last layer computes queries, attention
+        output and MLP for those rows only. The rows nobody reads (a prompt's positions
+        under PPO, all but the final token under a reward model) cost a whole layer's
+        work otherwise, forward and backward; earlier layers still run on every position,
+        whose keys and values the kept rows attend to."""
+        B, L = input_ids.shape
+        cache = past_key_values if past_key_values is not None else KVCache() if use_cache else None
+        past = cache.get_seq_length() if cache is not None else 0
+        if attention_mask is None:
+            attention_mask = torch.ones(B, past + L, dtype=torch.long, device=input_ids.device)
+        if position_ids is None:
+            position_ids = torch.arange(past, past + L, device=input_ids.device).expand(B, L)
+        h = self.embed_tokens(input_ids)
+        # RoPE angles in float32 whatever the weights' dtype, as transformers does
+        # (transformers repeats the angles to head_dim: cat((freqs, freqs)); apply_rotary
+        # takes the half it repeats)
+        freqs = position_ids[..., None].float() * self.inv_freq.float()
+        cos, sin = freqs.cos().to(h.dtype), freqs.sin().to(h.dtype)
+        mask = attention_mask_4d(attention_mask, L)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            keep = keep_last if i == last else 0
+            if self.checkpointing and self.training and torch.is_grad_enabled():
+                h = recomputed_in_backward(layer, h, cos, sin, mask, cache, keep)
+            else:
+                h = layer(h, cos, sin, mask, cache, keep)
+        return NativeOutput(last_hidden_state=self.norm(h), past_key_values=cache)

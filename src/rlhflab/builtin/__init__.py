@@ -1,0 +1,1 @@
+"""The built-in task: verifiable prompts, their gold reward, the noisy teacher and annotator, toy rewards."""

@@ -1,0 +1,74 @@
+"""Held-out evaluation of a policy on the built-in task: gold versus proxy reward.
+
+The numbers that show whether a policy truly got better or only learned to please the
+reward model: gold reward (correct, concise, no filler), proxy reward (what PPO optimised),
+accuracy, KL to the reference, length, flattery rate and repetition rate.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlhflab import models as M
+from rlhflab.builtin import tasks
+from rlhflab.core import algorithms as A
+from rlhflab.experience.rewards import RewardBatch
+from rlhflab.experience.rollout import generate_rollout, response_slice
+
+
+@torch.no_grad()
+def evaluate_policy(
+    policy,
+    reference,
+    tokenizer,
+    prompts: list[str],
+    reward=None,
+    max_new_tokens: int = 24,
+    temperature: float = 1.0,
+    seed: int = 0,
+    device="cpu",
+    batch: int = 64,
+) -> dict[str, float]:
+    """Sample one answer per prompt (seeded) and score it. Returns means over prompts.
+
+    kl_to_reference: mean over answers of Σ_t (log π − log π_ref) at the sampling τ (nats
+    per answer, the same unit as the PPO metric objective/kl).
+    """
+    policy.eval()
+    gen = torch.Generator(device=device).manual_seed(seed)
+    rows = {
+        "gold": [],
+        "proxy": [],
+        "accuracy": [],
+        "kl_to_reference": [],
+        "length": [],
+        "flattery_rate": [],
+        "repetition_rate": [],
+    }
+    for s in range(0, len(prompts), batch):
+        chunk = prompts[s : s + batch]
+        ro = generate_rollout(
+            policy, tokenizer, chunk, max_new_tokens, temperature, 0, 1.0, gen, device
+        )
+        seqs, attn = ro.sequences, ro.attention_mask
+        cols = response_slice(ro.prompt_ids.shape[1], ro.response_ids.shape[1])
+        lp = A.logprobs_from_logits(
+            M.causal_forward(policy, seqs, attn).logits[:, cols], ro.response_ids, temperature
+        )
+        ref = A.logprobs_from_logits(
+            M.causal_forward(reference, seqs, attn).logits[:, cols], ro.response_ids, temperature
+        )
+        mask = ro.response_mask.bool()
+        rows["kl_to_reference"] += torch.where(mask, lp - ref, 0.0).sum(1).tolist()
+        rows["length"] += ro.response_mask.sum(1).float().tolist()
+        if reward is not None:
+            rows["proxy"] += reward(
+                RewardBatch(ro.prompts, ro.responses, seqs, attn, ro.ended)
+            ).score.tolist()
+        for p, r in zip(ro.prompts, ro.responses):
+            j = tasks.judge(p, r)
+            rows["gold"].append(j.gold)
+            rows["accuracy"].append(float(j.correct == 1.0))
+            rows["flattery_rate"].append(float(j.flattery))
+            rows["repetition_rate"].append(float(j.repetitive))
+    return {k: sum(v) / len(v) for k, v in rows.items() if v}

@@ -1,0 +1,388 @@
+"""Memory accounting for the four-model cast (``rlhflab memory --config FILE``)."""
+
+from __future__ import annotations
+
+import resource
+import sys
+from dataclasses import dataclass
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from rlhflab.core import algorithms as A
+from rlhflab.models import module_bytes
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far.
+
+    On Linux this reads ``VmHWM`` from ``/proc/self/status``: ``ru_maxrss`` carries the
+    parent's peak across fork+exec (the kernel folds the old address space's high-water
+    mark into it), so a worker started by a big parent would report the parent's peak.
+    Elsewhere ``ru_maxrss`` (macOS reports bytes, other systems KiB).
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+@dataclass
+class ModelMemory:
+    name: str
+    weights: int  # bytes of all weights (shared tensors once; int8 at 1 byte)
+    trainable: int  # bytes of the weights that get gradients
+    gradients: int  # = trainable bytes
+    optimizer: int  # AdamW keeps two moments per trainable weight
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer
+
+
+def _trainable_bytes(model) -> int:
+    params = getattr(model, "parameters", None)
+    if params is None:
+        return 0
+    return sum(p.numel() * p.element_size() for p in params() if p.requires_grad)
+
+
+def cast_memory(cast) -> list[ModelMemory]:
+    """Per-model bytes. The LoRA reference shares the policy's weights and counts as 0."""
+    rows = []
+    for name, model in cast.models().items():
+        weights = module_bytes(model) if hasattr(model, "state_dict") else 0
+        trainable = _trainable_bytes(model)
+        rows.append(ModelMemory(name, weights, trainable, trainable, 2 * trainable))
+    return rows
+
+
+def format_table(rows: list[ModelMemory], peak: int | None = None) -> str:
+    mib = 1024 * 1024
+    lines = [f"{'model':<10} {'weights':>10} {'grads':>10} {'optimizer':>10} {'total':>10}  (MiB)"]
+    for r in rows:
+        lines.append(
+            f"{r.name:<10} {r.weights / mib:>10.2f} {r.gradients / mib:>10.2f} "
+            f"{r.optimizer / mib:>10.2f} {r.total / mib:>10.2f}"
+        )
+    total = sum(r.total for r in rows)
+    lines.append(
+        f"{'total':<10} {sum(r.weights for r in rows) / mib:>10.2f} "
+        f"{sum(r.gradients for r in rows) / mib:>10.2f} "
+        f"{sum(r.optimizer for r in rows) / mib:>10.2f} {total / mib:>10.2f}"
+    )
+    if peak is not None:
+        lines.append(f"measured peak resident memory while building: {peak / mib:.1f} MiB")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------- what one iteration adds
+
+
+def kv_cache_bytes(
+    num_layers: int, num_kv_heads: int, head_dim: int, rows: int, positions: int, itemsize: int
+) -> int:
+    """Keys and values of every layer for ``rows`` sequences of ``positions`` tokens."""
+    return 2 * num_layers * num_kv_heads * head_dim * rows * positions * itemsize
+
+
+def cache_positions(prompt_len: int, new_tokens: int, doubling: bool) -> int:
+    """Positions the sampler's KV cache holds when an answer of ``new_tokens`` is done.
+
+    The last drawn token is never fed back, so the cache ends at prompt_len + new_tokens − 1.
+    The native runtime's buffers start at the prompt's length and double when full
+    (``native.KVCache``): they end at the first prompt_len·2^k that fits. transformers'
+    cache grows by concatenation and holds exactly what it needs.
+    """
+    needed = prompt_len + max(new_tokens - 1, 0)
+    if not doubling:
+        return needed
+    capacity = prompt_len
+    while capacity < needed:
+        capacity *= 2
+    return capacity
+
+
+class _NewStorages(TorchDispatchMode):
+    """Sees every tensor operation's outputs and follows, by weak reference, each storage
+    that is not one of the operation's inputs' (views and in-place results are not new
+    memory): the bytes alive now, and the most that were alive after any operation."""
+
+    def __init__(self):
+        super().__init__()
+        self.alive: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {
+            t.untyped_storage().data_ptr()
+            for t in tree_flatten((args, kwargs))[0]
+            if isinstance(t, torch.Tensor)
+        }
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in inputs:
+                    # keyed by address: one freed and reused replaces its dead entry
+                    self.alive[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
+        self.peak = max(self.peak, self.held())
+        return out
+
+    def held(self) -> int:
+        dead = [k for k, (ref, _) in self.alive.items() if ref.expired()]
+        for k in dead:
+            del self.alive[k]
+        return sum(n for _, n in self.alive.values())
+
+
+def held_by(fn) -> tuple[object, int, int]:
+    """Run ``fn()``; return its result, the bytes of the tensors it created that are still
+    alive when it returns — its outputs and, with grad on, everything its graph keeps for
+    backward (activation checkpointing's kept inputs included, whatever holds them) — and
+    the most bytes its tensors held at once after any operation.
+
+    Every tensor operation is seen on its way through torch's dispatcher (a
+    ``TorchDispatchMode``), on any device; memory made outside torch's operations —
+    ``torch.from_numpy`` of numpy's own products under ``model.cpu_matmul=numpy`` — is not.
+    """
+    mode = _NewStorages()
+    with mode:
+        out = fn()
+    return out, mode.held(), mode.peak
+
+
+@dataclass
+class PhaseMemory:
+    phase: str  # sampling | scoring | monitor | training | critic
+    what: str  # what the bytes are, for the table
+    bytes: int
+    measured: bool  # measured on the built models, or computed from their shapes
+    # the models whose gradients exist meanwhile (they live only during the PPO epochs:
+    # every update ends with zero_grad(set_to_none))
+    gradients_of: tuple[str, ...] = ()
+
+
+def _lm_config(model):
+    lm = getattr(model, "lm", model)  # PolicyWithValueHead
+    base = getattr(lm, "get_base_model", None)  # peft
+    return (base() if base else lm).config
+
+
+def _itemsize(model) -> int:
+    return next(p for p in model.parameters() if p.is_floating_point()).element_size()
+
+
+def iteration_memory(cast, cfg) -> list[PhaseMemory]:
+    """What one PPO iteration holds on top of the weights, gradients and optimiser state,
+    phase by phase, at the configured worst case: every prompt ``rollout.max_prompt_tokens``
+    long and every answer ``rollout.max_new_tokens`` (no early EOS). The phases follow one
+    another, so the iteration's peak is the largest phase's.
+
+    * sampling: the policy's KV cache for all ``rollout.prompts_per_iteration`` answers,
+      from the model's shapes (:func:`kv_cache_bytes`, :func:`cache_positions`);
+    * scoring: the most that one no-grad forward of a ``rollout.score_micro_batch`` holds
+      at once, policy or reference (they run in turn), measured on the built models;
+    * training: what the policy's forward on one PPO micro-batch keeps for backward,
+      measured on the built policy — lean activations, checkpointing and LoRA count as they
+      are — plus a separate critic's, whose graph the first update keeps alongside the
+      policy's by default (``ppo.values_from_training_forward``);
+    * monitor: the flattery-opener probe (``rollout.opener_logprobs``), policy or
+      reference, where ``monitor.flattery_opener_ratio`` is on.
+
+    The measured forwards run on random token ids of those shapes; nothing is updated.
+    """
+    from rlhflab.experience.rollout import answer_values, opener_logprobs, policy_outputs
+    from rlhflab.models import causal_forward
+
+    r, p = cfg.rollout, cfg.ppo
+    lm_cfg, itemsize = _lm_config(cast.policy), _itemsize(cast.policy)
+    P, T, n = r.max_prompt_tokens, r.max_new_tokens, r.prompts_per_iteration
+    kv_heads = getattr(lm_cfg, "num_key_value_heads", None) or lm_cfg.num_attention_heads
+    head_dim = getattr(lm_cfg, "head_dim", None) or lm_cfg.hidden_size // lm_cfg.num_attention_heads
+    positions = cache_positions(P, T, doubling=cfg.model.runtime == "native")
+    kv = kv_cache_bytes(lm_cfg.num_hidden_layers, kv_heads, head_dim, n, positions, itemsize)
+    rows = [PhaseMemory("sampling", f"KV cache, {n} answers x {positions} positions", kv, False)]
+
+    def ids(batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(0)
+        seqs = torch.randint(0, lm_cfg.vocab_size, (batch, P + T), generator=gen)
+        return seqs.to(cast.device), torch.ones_like(seqs, device=cast.device)
+
+    seqs, mask = ids(min(r.score_micro_batch, n))
+    with torch.no_grad():
+        _, _, policy_peak = held_by(
+            lambda: policy_outputs(cast.policy, seqs, mask, P, seqs[:, P:], r.temperature, True)
+        )
+        _, _, ref_peak = held_by(
+            lambda: A.logprobs_from_logits(
+                causal_forward(cast.reference, seqs, mask, keep_last=T + 1).logits[:, :T],
+                seqs[:, P:],
+                r.temperature,
+            )
+        )
+    which = "policy" if policy_peak >= ref_peak else "reference"
+    what = f"one no-grad forward, {which}, {len(seqs)} x {P + T} tokens"
+    rows.append(PhaseMemory("scoring", what, max(policy_peak, ref_peak), True))
+
+    micro = p.micro_batch_size or n // p.minibatches
+    accumulating = micro < n // p.minibatches  # gradient accumulation over micro-batches
+    train_seqs, train_mask = ids(micro)
+    tokens = f"{micro} x {P + T} tokens"
+    critic = None
+    if cast.critic is not None:
+        critic = forward_backward_bytes(
+            lambda: (answer_values(cast.critic_values, train_seqs, train_mask, T),),
+            cast.critic,
+            accumulating,
+        )
+    # ppo.values_from_training_forward: step 2 runs the critic's first training forward on
+    # the whole rollout and its graph stays until the first update, which backpropagates it
+    # before the policy's forward (trainers.ppo_epochs._critic_forward_kept)
+    kept_from_scoring = (
+        critic is not None and p.values_from_training_forward and p.minibatches == 1 and micro >= n
+    )
+
+    mc = cfg.monitor
+    if mc.enabled and mc.flattery_opener_ratio is not None and mc.phrases:
+        # the opener probe repeats each prompt's KV cache once per phrase spelling
+        prompts, prompt_mask = seqs[:, :P], mask[:, :P]
+        with torch.no_grad():
+            peaks = [
+                held_by(
+                    lambda m=m: opener_logprobs(
+                        m,
+                        cast.tokenizer,
+                        prompts,
+                        prompt_mask,
+                        mc.phrases,
+                        r.temperature,
+                        r.score_micro_batch,
+                        mc.opener_tokens,
+                    )
+                )[2]
+                for m in (cast.policy_lm, cast.reference)
+            ]
+        what = f"opener probe, {len(prompts)} prompts x {len(mc.phrases)} phrases, 2 spellings each"
+        rows.append(PhaseMemory("monitor", what, max(peaks), True))
+        if kept_from_scoring:  # the probe runs between steps 2 and 8
+            what = f"critic's graph kept from scoring, {tokens}"
+            rows.append(PhaseMemory("monitor", what, critic[0], True))
+
+    policy_kept, policy_peak = forward_backward_bytes(
+        lambda: policy_outputs(
+            cast.policy,
+            train_seqs,
+            train_mask,
+            P,
+            train_seqs[:, P:],
+            r.temperature,
+            with_entropy=p.entropy_coef > 0,
+            shared=cast.shared,
+        ),
+        cast.policy,
+        accumulating,
+    )
+    what = f"policy{' + value head' if cast.shared else ''} forward+backward, {tokens}"
+    what = f"{what} ({policy_kept / 2**20:.2f} kept)"
+    # Gradients wait for the minibatch's end. A model's own appear during its backward as
+    # its activations are freed, and are in its measured peak — unless micro-batches
+    # accumulate, when they already exist. A separate critic's backward follows the
+    # policy's, or precedes it where step 2 kept its graph.
+    own = ("policy",) if accumulating else ()
+    rows.append(
+        PhaseMemory("training", what, policy_peak, True, own + ("critic",) * kept_from_scoring)
+    )
+    if critic is not None:
+        what = f"critic forward+backward, {tokens} ({critic[0] / 2**20:.2f} kept)"
+        grads = () if kept_from_scoring else ("policy",)
+        grads += ("critic",) if accumulating else ()
+        rows.append(PhaseMemory("critic", what, critic[1], True, grads))
+    return rows
+
+
+def forward_backward_bytes(forward, model, gradients_exist: bool) -> tuple[int, int]:
+    """Bytes that ``forward()`` keeps for backward, and the most that its forward and the
+    backward of the sum of its outputs hold at once: activations, their gradients,
+    recomputed checkpoint segments and the model's own gradients as backward makes them —
+    or, with ``gradients_exist`` (micro-batches accumulating), only each fresh gradient
+    before it is added into one made beforehand, which :func:`estimated_peak` counts. The
+    model is left with no gradients."""
+    params = [q for q in model.parameters() if q.requires_grad]
+    for q in params:
+        q.grad = torch.zeros_like(q) if gradients_exist else None
+    tracker = _NewStorages()
+    try:
+        with torch.enable_grad(), tracker:
+            outs = [o for o in forward() if o is not None and o.requires_grad]
+            kept = tracker.held()
+            sum(o.float().sum() for o in outs).backward()
+            del outs
+    finally:
+        for q in params:
+            q.grad = None
+    return kept, tracker.peak
+
+
+def estimated_peak(models: list[ModelMemory], phases: list[PhaseMemory]) -> tuple[int, str]:
+    """The iteration's peak of tensors and the phase it falls in: weights and AdamW moments
+    always, the gradients of the models that have them in a phase, plus the phase's own
+    bytes."""
+    always = sum(m.weights + m.optimizer for m in models)
+    grads = {m.name: m.gradients for m in models}
+    peaks: dict[str, int] = {}
+    with_grads: dict[str, set[str]] = {}
+    for row in phases:
+        peaks[row.phase] = peaks.get(row.phase, always) + row.bytes
+        with_grads.setdefault(row.phase, set()).update(row.gradients_of)
+    for phase, names in with_grads.items():
+        peaks[phase] += sum(grads.get(name, 0) for name in names)
+    largest = max(peaks, key=peaks.get)
+    return peaks[largest], largest
+
+
+def format_iteration(phases: list[PhaseMemory], models: list[ModelMemory]) -> str:
+    """The phases' table and the peak they imply (:func:`estimated_peak`)."""
+    mib = 1024 * 1024
+    lines = ["", "what one iteration adds, worst case (MiB; * measured on the built models):"]
+    for r in phases:
+        mark = "*" if r.measured else " "
+        lines.append(f"{r.phase:<10} {r.bytes / mib:>10.2f}{mark} {r.what}")
+    peak, largest = estimated_peak(models, phases)
+    grads = sorted({name for r in phases if r.phase == largest for name in r.gradients_of})
+    with_grads = f", {' and '.join(grads)} gradients" if grads else ""
+    lines.append(
+        f"estimated peak of tensors: {peak / mib:.2f} MiB, in {largest} (weights and AdamW "
+        f"moments{with_grads} + {largest}); the process adds its libraries and allocator slack"
+    )
+    if largest == "monitor":
+        lines.append(
+            "the monitor's opener probe copies each prompt's KV cache once per phrase "
+            "spelling: a smaller rollout.score_micro_batch, fewer monitor.phrases or "
+            "monitor.flattery_opener_ratio=null lowers it"
+        )
+    return "\n".join(lines)
+
+
+def optimizer_held_bytes(*optimizers) -> int:
+    """Bytes of the optimisers' moments and of their parameters' gradients that exist now
+    (each storage once; ``None`` optimisers skipped): what an iteration starts on top of
+    the weights."""
+    seen, total = set(), 0
+    for opt in optimizers:
+        if opt is None:
+            continue
+        tensors = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
+        tensors += [q.grad for g in opt.param_groups for q in g["params"] if q.grad is not None]
+        for t in tensors:
+            if t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                total += t.untyped_storage().nbytes()
+    return total

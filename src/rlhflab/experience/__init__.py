@@ -1,0 +1,1 @@
+"""What a rollout is made of: prompt and pair data, sampling, scoring, reward sources."""

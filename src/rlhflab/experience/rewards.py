@@ -1,0 +1,290 @@
+"""Reward sources behind one small interface, and their weighted mix.
+
+A reward source maps a batch of finished answers to named score components:
+``source(batch) -> {name: Tensor(B)}``. :class:`CompositeReward` combines the components of
+all sources with weights into the one scalar the policy optimises, and keeps every
+component so each head can be reported separately.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from rlhflab.models import Offloaded, last_token_hidden, same_tokenizer
+
+
+class RewardError(RuntimeError):
+    """A reward source failed or returned something unusable; the message names it."""
+
+
+@dataclass
+class RewardBatch:
+    """Finished answers to score.
+
+    prompts, responses: decoded text, length B. ``sequences``/``attention_mask``: (B, L)
+    policy-tokenizer ids of prompt + response (left-padded prompt, right-padded answer),
+    used by a reward model that shares the policy's tokenizer. ``ended``: (B,) whether each
+    answer ended with EOS (False: cut off at max_new_tokens); a reward model that re-encodes
+    the text needs it, to append EOS to those answers only.
+    """
+
+    prompts: list[str]
+    responses: list[str]
+    sequences: torch.Tensor | None = None
+    attention_mask: torch.Tensor | None = None
+    ended: torch.Tensor | list[bool] | None = None
+
+
+def encode_for_reward(
+    tokenizer, prompts: list[str], answers: list[str], ended
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ids (B, P + T) and attention mask of prompt + answer for a reward model, laid out as a
+    rollout is: each prompt encoded on its own and left-padded to P, each answer encoded on
+    its own, followed by EOS where ``ended[i]`` (an answer cut off at max_new_tokens gets
+    none), and right-padded to T.
+
+    The one encoding for reward-model training, its held-out checks and PPO's re-encoded
+    scoring: encoding prompt + answer as one string would merge tokens across the boundary
+    ("answer: " + "red" → " red") that a rollout keeps apart, so the reward model would be
+    trained on tokens it never sees at PPO time.
+    """
+    ended = [bool(e) for e in (ended.tolist() if torch.is_tensor(ended) else ended)]
+    if not len(prompts) == len(answers) == len(ended):
+        raise ValueError(
+            f"encode_for_reward: {len(prompts)} prompts, {len(answers)} answers, "
+            f"{len(ended)} ended flags"
+        )
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    heads = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    tails = [
+        tokenizer(a, add_special_tokens=False)["input_ids"] + ([eos] if e else [])
+        for a, e in zip(answers, ended)
+    ]
+    P, T = max(map(len, heads)), max(map(len, tails))
+    ids = torch.full((len(heads), P + T), pad, dtype=torch.long)
+    mask = torch.zeros((len(heads), P + T), dtype=torch.long)
+    for i, (h, t) in enumerate(zip(heads, tails)):
+        ids[i, P - len(h) : P + len(t)] = torch.tensor(h + t, dtype=torch.long)
+        mask[i, P - len(h) : P + len(t)] = 1
+    return ids, mask
+
+
+def reward_scores(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B, K) head scores at each row's last real token: the reward model's pooling, the
+    same in training and in scoring."""
+    return model.score(last_token_hidden(model, ids, mask)).float()
+
+
+class RewardSource(Protocol):
+    name: str
+
+    def __call__(self, batch: RewardBatch) -> dict[str, torch.Tensor]: ...
+
+
+class ModelReward:
+    """A sequence-classification reward model with one output per head.
+
+    The score is read at the last real token. When the reward model's tokenizer differs from
+    the policy's (detected by :func:`same_tokenizer`), answers are decoded and re-encoded
+    with the reward model's own tokenizer by :func:`encode_for_reward` (as in its
+    training); otherwise the policy's token ids are used as is — they have that layout.
+    """
+
+    def __init__(self, model, tokenizer, policy_tokenizer, device="cpu", micro_batch=32, name="rm"):
+        self.model, self.tokenizer, self.name = model, tokenizer, name
+        self.device, self.micro_batch = torch.device(device), micro_batch
+        self.reencode = not same_tokenizer(tokenizer, policy_tokenizer)
+        cfg = model.config
+        self.head_names = [cfg.id2label[i] for i in range(cfg.num_labels)]
+
+    def _encode(self, batch: RewardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.reencode and batch.sequences is not None:
+            return batch.sequences, batch.attention_mask
+        if batch.ended is None:
+            raise RewardError(
+                f"reward model {self.name}: re-encoding answers needs to know which ended "
+                "with EOS (RewardBatch.ended); a cut-off answer gets none"
+            )
+        return encode_for_reward(self.tokenizer, batch.prompts, batch.responses, batch.ended)
+
+    @torch.no_grad()
+    def __call__(self, batch: RewardBatch) -> dict[str, torch.Tensor]:
+        ids, mask = self._encode(batch)
+        outs = []
+        model = self.model
+        ctx = model.on_device() if isinstance(model, Offloaded) else _Same(model)
+        with ctx as m:
+            for s in range(0, ids.shape[0], self.micro_batch):
+                i, a = (
+                    ids[s : s + self.micro_batch].to(self.device),
+                    mask[s : s + self.micro_batch].to(self.device),
+                )
+                outs.append(reward_scores(m, i, a).cpu())
+        scores = torch.cat(outs)
+        return {
+            f"{self.name}/{h}" if self.name else h: scores[:, k]
+            for k, h in enumerate(self.head_names)
+        }
+
+
+class _Same:
+    def __init__(self, m):
+        self.m = m
+
+    def __enter__(self):
+        return self.m
+
+    def __exit__(self, *exc):
+        return False
+
+
+# Built-in reward modules that moved when the package was split into layers (2026-12):
+# configs written for the flat layout name them by their old paths, and keep working.
+MOVED_MODULES = {
+    "rlhflab.tasks": "rlhflab.builtin.tasks",
+    "rlhflab.toy_rewards": "rlhflab.builtin.toy_rewards",
+}
+
+
+class FunctionReward:
+    """A Python function ``module:function`` taking (prompts, responses).
+
+    It returns one float per answer, or a dict mapping component names to lists of floats.
+    A function that raises, returns the wrong number of values or non-numbers gets a
+    :class:`RewardError` that names it.
+    """
+
+    def __init__(self, spec: str):
+        self.name = spec
+        module_name, sep, func_name = spec.partition(":")
+        if not sep or not module_name or not func_name:
+            raise RewardError(f"reward function {spec!r}: expected 'module:function'")
+        try:
+            module = importlib.import_module(MOVED_MODULES.get(module_name, module_name))
+        except ImportError as exc:
+            raise RewardError(
+                f"reward function {spec!r}: cannot import {module_name}: {exc}"
+            ) from None
+        self.fn = getattr(module, func_name, None)
+        if not callable(self.fn):
+            raise RewardError(
+                f"reward function {spec!r}: {module_name} has no function {func_name}"
+            )
+
+    def __call__(self, batch: RewardBatch) -> dict[str, torch.Tensor]:
+        try:
+            out = self.fn(list(batch.prompts), list(batch.responses))
+        except Exception as exc:
+            raise RewardError(
+                f"reward function {self.name} raised {type(exc).__name__}: {exc}"
+            ) from exc
+        parts = out if isinstance(out, dict) else {self.name: out}
+        return {name: self._check(name, vals, len(batch.prompts)) for name, vals in parts.items()}
+
+    def _check(self, name, values, n) -> torch.Tensor:
+        try:
+            t = torch.as_tensor(values, dtype=torch.float32).reshape(-1)
+        except (TypeError, ValueError, RuntimeError):
+            raise RewardError(
+                f"reward function {self.name}: component {name!r} is not a list of numbers"
+            ) from None
+        if t.numel() != n:
+            raise RewardError(
+                f"reward function {self.name}: component {name!r} returned "
+                f"{t.numel()} values for {n} answers"
+            )
+        return t
+
+
+@dataclass
+class RewardOutput:
+    """score: (B,) the weighted total; components: every named part, (B,) each."""
+
+    score: torch.Tensor
+    components: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class CompositeReward:
+    """Weighted sum of the components of any number of reward sources.
+
+    ``sources`` is a list of ``(source, weight)``: a float weights every component the source
+    returns; a dict weights components by name (a component without a weight is reported but
+    not optimised). Non-finite values pass through unchanged so the trainer can count them.
+    """
+
+    def __init__(self, sources: list[tuple[object, float | dict[str, float]]]):
+        if not sources:
+            raise RewardError("no reward source configured")
+        self.sources = sources
+
+    def __call__(self, batch: RewardBatch) -> RewardOutput:
+        components: dict[str, torch.Tensor] = {}
+        total = torch.zeros(len(batch.prompts))
+        for source, weight in self.sources:
+            parts = source(batch)
+            if isinstance(weight, dict):
+                missing = [k for k in weight if k not in parts]
+                if missing:
+                    raise RewardError(
+                        f"reward weights name {missing} but {source.name} produced {sorted(parts)}"
+                    )
+                for name, w in weight.items():
+                    total = total + w * parts[name]
+            else:
+                for value in parts.values():
+                    total = total + weight * value
+            components.update(parts)
+        return RewardOutput(total, components)
+
+
+class RunningMoments:
+    """Running count, mean and sum of squared deviations of scores (Chan et al.'s parallel
+    update), for 'running' normalisation. Under data parallelism feed :meth:`merge` the
+    batch moments over every rank (:func:`rlhflab.infra.distributed.global_batch_moments`), so
+    each rank holds the same, global moments and scales its scores identically."""
+
+    def __init__(self):
+        self.count, self.mean, self.m2 = 0, 0.0, 0.0
+
+    def update(self, x: torch.Tensor) -> None:
+        """Add this process's scores (single process)."""
+        x = x.double().reshape(-1)
+        n = x.numel()
+        if n:
+            mean = x.mean().item()
+            self.merge(n, mean, ((x - mean) ** 2).sum().item())
+
+    def merge(self, n: int, mean: float, m2: float) -> None:
+        """Add a batch given as its count, mean and sum of squared deviations from it."""
+        if n < 0 or m2 < 0 or not (math.isfinite(mean) and math.isfinite(m2)):
+            raise ValueError(f"RunningMoments.merge: bad batch moments n={n} mean={mean} m2={m2}")
+        if n == 0:
+            return
+        delta, total = mean - self.mean, self.count + n
+        self.mean += delta * n / total
+        self.m2 += m2 + delta**2 * self.count * n / total
+        self.count = total
+
+    @property
+    def var(self) -> float:
+        """Unbiased variance of every score seen; 1.0 while it measures no scale yet (fewer
+        than two scores, or all equal, e.g. a 0/1 reward nobody earned): dividing by a
+        zero spread would blow the scores up, and there is nothing to normalise by."""
+        if self.count < 2 or self.m2 <= 0.0:
+            return 1.0
+        return self.m2 / (self.count - 1)
+
+    @property
+    def std(self) -> float:
+        return math.sqrt(self.var)
+
+    def state_dict(self) -> dict:
+        return {"count": self.count, "mean": self.mean, "m2": self.m2}
+
+    def load_state_dict(self, s: dict) -> None:
+        self.count, self.mean, self.m2 = int(s["count"]), float(s["mean"]), float(s["m2"])

@@ -1,0 +1,278 @@
+"""Rollouts: sampled answers (``rlhflab.experience.sampling``), then no-grad scoring of them.
+
+Layout of a rollout (B answers): prompts are *left*-padded to P tokens so every answer
+starts at column P; answers are *right*-padded to T tokens. ``response_mask`` is 1 on real
+answer tokens including the EOS and 0 on the padding after it (the convention of
+``rlhflab.core.algorithms``). The full sequence is ``cat(prompt_ids, response_ids)``, and the
+logits at columns P−1 … P+T−2 predict the answer tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from rlhflab import models as M
+from rlhflab.core import algorithms as A
+from rlhflab.experience.rewards import RewardBatch
+from rlhflab.experience.sampling import SamplingScores, cache_kwarg, sample
+
+
+@dataclass
+class Rollout:
+    prompt_ids: torch.Tensor  # (B, P) left-padded
+    prompt_mask: torch.Tensor  # (B, P)
+    response_ids: torch.Tensor  # (B, T) right-padded; pad after the first EOS
+    response_mask: torch.Tensor  # (B, T) 1 on answer tokens including EOS
+    ended: torch.Tensor  # (B,) bool: the answer ended with EOS (not cut at max_new_tokens)
+    prompts: list[str]
+    responses: list[str]  # decoded answers without special tokens
+    # filled by score_rollout:
+    old_logprobs: torch.Tensor | None = None  # (B, T)
+    ref_logprobs: torch.Tensor | None = None  # (B, T)
+    values: torch.Tensor | None = None  # (B, T)
+    entropy: torch.Tensor | None = None  # (B, T) full-distribution entropy per token
+    scores: torch.Tensor | None = None  # (B,) combined reward-model/function score
+    components: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def sequences(self) -> torch.Tensor:
+        return torch.cat([self.prompt_ids, self.response_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        return torch.cat([self.prompt_mask, self.response_mask.to(self.prompt_mask.dtype)], 1)
+
+    def __len__(self) -> int:
+        return self.response_ids.shape[0]
+
+
+def left_pad(token_lists: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(t) for t in token_lists)
+    ids = torch.full((len(token_lists), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(token_lists), width), dtype=torch.long)
+    for i, toks in enumerate(token_lists):
+        if toks:
+            ids[i, width - len(toks) :] = torch.tensor(toks)
+            mask[i, width - len(toks) :] = 1
+    return ids, mask
+
+
+def generate_rollout(
+    model,
+    tokenizer,
+    prompts: list[str],
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    generator,
+    device,
+    all_done=None,
+    ignore_eos: bool = False,
+    scores: SamplingScores | None = None,
+) -> Rollout:
+    """Sample one answer per prompt; with ``scores``, the rollout also carries the sampling
+    pass's old log-probs and entropy (and values), and scoring skips the policy forward."""
+    encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    prompt_ids, prompt_mask = left_pad(encoded, tokenizer.pad_token_id)
+    prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
+    resp, resp_mask, ended = sample(
+        model,
+        prompt_ids,
+        prompt_mask,
+        max_new_tokens,
+        None if ignore_eos else tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+        temperature,
+        top_k,
+        top_p,
+        generator,
+        all_done,
+        scores,
+    )
+    texts = tokenizer.batch_decode(resp, skip_special_tokens=True)
+    rollout = Rollout(prompt_ids, prompt_mask, resp, resp_mask, ended, list(prompts), texts)
+    if scores is not None:
+        scores.fill(rollout)
+    return rollout
+
+
+def response_slice(prompt_len: int, response_len: int) -> slice:
+    """Columns of the full-sequence outputs that predict (logits) or value the answer."""
+    return slice(prompt_len - 1, prompt_len + response_len - 1)
+
+
+def answer_values(critic, seqs, mask, response_len: int) -> torch.Tensor:
+    """A separate critic's values (B, T) for the answer columns (:func:`response_slice`) of
+    prompt + answer sequences (B, P + T). It computes the last T + 1 positions only: the
+    native runtime's last layer skips the prompt rows (``models.backbone_hidden``)."""
+    return critic(seqs, mask, keep_last=response_len + 1)[:, :response_len]
+
+
+def policy_outputs(
+    policy,
+    seqs,
+    mask,
+    prompt_len,
+    response_ids,
+    temperature,
+    with_entropy=False,
+    shared: bool | None = None,
+    entropy_grad: bool = True,
+):
+    """Log-probs (B, T), values (B, T) or None, entropy (B, T) or None from one forward.
+
+    ``shared`` says the policy returns (logits, values); by default it is read off the
+    module, which a DDP wrapper hides. ``entropy_grad=False`` computes the entropy from
+    detached logits (a metric only: no graph kept for it)."""
+    T = response_ids.shape[1]
+    keep = T + 1  # logits of positions P-1 .. P+T-1; the last one predicts past the answer
+    if shared is None:
+        shared = isinstance(policy, M.PolicyWithValueHead)
+    if shared:
+        logits, values = policy(seqs, mask, keep_last=keep)
+        values = values[:, :T].float()  # the last T + 1 positions' first T: response_slice
+    else:
+        logits, values = M.causal_forward(policy, seqs, mask, keep_last=keep).logits, None
+    logits = logits[:, :T]
+    logprobs = A.logprobs_from_logits(logits, response_ids, temperature)
+    entropy = None
+    if with_entropy:
+        entropy = A.entropy_from_logits(logits if entropy_grad else logits.detach(), temperature)
+    return logprobs, values, entropy
+
+
+@torch.no_grad()
+def score_rollout(
+    cast,
+    rollout: Rollout,
+    temperature: float,
+    micro_batch: int,
+    policy_forward: bool = True,
+    critic_forward: bool = True,
+) -> Rollout:
+    """Fill old/ref log-probs, values, entropy and scores, micro-batched, without gradients.
+
+    One forward of the policy (logits and, with a shared backbone, values), one of the
+    reference, one of the critic (if separate), one of the reward model.
+    ``policy_forward=False`` leaves old_logprobs and entropy (and a shared backbone's values)
+    as they are: the sampling pass filled them (``rollout.logprobs_from_sampling``) or the
+    training forward will (``ppo.reuse_training_forward``). ``critic_forward=False`` leaves
+    a separate critic's values to its training forward (``ppo.values_from_training_forward``).
+    """
+    if not policy_forward and cast.shared and rollout.values is None:
+        raise ValueError("score_rollout: a shared backbone's values need the policy forward")
+    seqs, mask = rollout.sequences, rollout.attention_mask
+    if policy_forward:
+        score_policy(cast.policy, rollout, temperature, micro_batch)
+    critic = cast.critic_values if critic_forward else None
+    parts: dict[str, list] = {"ref": [], "val": []}
+    for s in range(0, len(rollout), micro_batch):
+        ids, am = seqs[s : s + micro_batch], mask[s : s + micro_batch]
+        resp = rollout.response_ids[s : s + micro_batch]
+        T = resp.shape[1]
+        ref_logits = M.causal_forward(cast.reference, ids, am, keep_last=T + 1).logits
+        parts["ref"].append(A.logprobs_from_logits(ref_logits[:, :T], resp, temperature))
+        if critic is not None:
+            parts["val"].append(answer_values(critic, ids, am, T))
+    device = rollout.response_ids.device
+    rollout.ref_logprobs = torch.cat(parts["ref"]).to(device)
+    if critic is not None:
+        rollout.values = torch.cat(parts["val"])
+    reward = cast.reward(RewardBatch(rollout.prompts, rollout.responses, seqs, mask, rollout.ended))
+    rollout.scores = reward.score.to(device)
+    rollout.components = {k: v.to(device) for k, v in reward.components.items()}
+    return rollout
+
+
+@torch.no_grad()
+def score_policy(policy, rollout: Rollout, temperature: float, micro_batch: int) -> Rollout:
+    """The policy's part of scoring: old log-probs, full-distribution entropy and, with a
+    shared backbone, the values, micro-batched, without gradients."""
+    seqs, mask = rollout.sequences, rollout.attention_mask
+    P = rollout.prompt_ids.shape[1]
+    parts: dict[str, list] = {"old": [], "val": [], "ent": []}
+    for s in range(0, len(rollout), micro_batch):
+        ids, am = seqs[s : s + micro_batch], mask[s : s + micro_batch]
+        resp = rollout.response_ids[s : s + micro_batch]
+        lp, values, ent = policy_outputs(policy, ids, am, P, resp, temperature, True)
+        parts["old"].append(lp)
+        parts["val"].append(values)
+        parts["ent"].append(ent)
+    rollout.old_logprobs = torch.cat(parts["old"])
+    rollout.entropy = torch.cat(parts["ent"])
+    if parts["val"][0] is not None:  # shared backbone
+        rollout.values = torch.cat(parts["val"])
+    return rollout
+
+
+@torch.no_grad()
+def opener_logprobs(
+    model,
+    tokenizer,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    phrases: list[str],
+    temperature: float,
+    micro_batch: int,
+    max_tokens: int = 4,
+) -> torch.Tensor:
+    """log P(the answer opens with one of ``phrases`` | prompt), per prompt, by forced decoding.
+
+    model: a causal LM (the policy's LM, or the reference). prompt_ids, prompt_mask: (B, P)
+    left-padded as in a Rollout. Each phrase is tokenized on its own (as SFT tokenizes
+    answers), with and without a leading space, and scored as the first answer tokens; the
+    probabilities are summed (logsumexp over the K spellings). Sampling's top-k/top-p
+    truncation is ignored, as in training. Each spelling is cut to its first ``max_tokens``
+    tokens (the prefix's probability bounds the phrase's from above; once a model has begun
+    "What a won…" the rest is nearly certain, and cost grows with the longest spelling).
+    micro_batch counts prompts. Returns (B,) float32. No sampling: the same
+    weights and prompts give the same number, so a drift in it is the model's, not the dice's.
+
+    Cost: each prompt runs once and its KV cache is repeated for the K spellings, so the
+    probe reads B·P + B·K·L tokens (L: the longest cut spelling), not B·K·(P + L).
+    """
+    # answers often start with a space (" Great question!"), which BPE folds into the first
+    # token: score both spellings; their first tokens differ, so the probabilities add
+    variants = [v for p in phrases for v in (p, " " + p.lstrip())]
+    cut = [
+        tuple(tokenizer(v, add_special_tokens=False)["input_ids"][:max_tokens]) for v in variants
+    ]
+    # a phrase given with its leading space, or two phrases alike in their first tokens,
+    # would otherwise count the same opening twice
+    enc = list(dict.fromkeys(cut))
+    if not all(enc):
+        raise ValueError("monitor.phrases: a phrase tokenizes to nothing")
+    K, L = len(enc), max(len(e) for e in enc)
+    phrase_ids = torch.full((K, L), tokenizer.pad_token_id, dtype=torch.long)
+    phrase_mask = torch.zeros((K, L), dtype=torch.long)
+    for k, e in enumerate(enc):
+        phrase_ids[k, : len(e)], phrase_mask[k, : len(e)] = torch.tensor(e), 1
+    device, cache_key, out = prompt_ids.device, cache_kwarg(model), []
+    phrase_ids, phrase_mask = phrase_ids.to(device), phrase_mask.to(device)
+    for s in range(0, prompt_ids.shape[0], micro_batch):
+        ids, mask = prompt_ids[s : s + micro_batch], prompt_mask[s : s + micro_batch]
+        b = ids.shape[0]
+        positions = M.position_ids_from_mask(mask)
+        first = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        cache = getattr(first, cache_key)
+        cache.batch_repeat_interleave(K)  # row i*K + k: prompt i, then spelling k
+        resp, resp_mask = phrase_ids.repeat(b, 1), phrase_mask.repeat(b, 1)
+        rest = model(
+            input_ids=resp,
+            attention_mask=torch.cat([mask.repeat_interleave(K, 0), resp_mask.to(mask.dtype)], 1),
+            position_ids=positions[:, -1:].repeat_interleave(K, 0)
+            + 1
+            + torch.arange(L, device=device),
+            use_cache=True,
+            **{cache_key: cache},
+        )
+        # the prompt's last logit predicts the first phrase token, the phrase's own the rest
+        logits = torch.cat(
+            [first.logits[:, -1:].repeat_interleave(K, 0), rest.logits[:, : L - 1]], 1
+        )
+        lp = A.logprobs_from_logits(logits, resp, temperature)
+        out.append((lp.float() * resp_mask).sum(1).view(b, K))
+    return torch.logsumexp(torch.cat(out), dim=1)

@@ -1,0 +1,1 @@
+"""Infrastructure behind thin seams: torchrun/DDP/FSDP, checkpoints, run logs."""

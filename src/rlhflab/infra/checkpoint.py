@@ -1,0 +1,266 @@
+"""Atomic checkpoints that resume bit-identically.
+
+``checkpoints/step-N/`` holds ``policy/`` (an HF folder in safetensors with the tokenizer;
+a LoRA policy saves its adapter there), ``value_head.safetensors`` (shared backbone) or
+``critic/`` (an HF sequence-classification folder), ``optimizer.pt`` (the optimisers'
+states, the largest part: two moments per trained weight) and ``state.pt`` (schedulers, KL
+controller, RNG states, data position, step): plain tensors and numbers only, loaded with
+``weights_only=True`` so nothing arbitrary is ever unpickled. The optimisers sit in their
+own file so that a sharded (FSDP) resume reads them on rank 0 alone and the other ranks
+read only the small ``state.pt`` (``trainers/runstate.py``); checkpoints written before
+2026-12-05 hold them inside ``state.pt``, and load as before.
+A checkpoint is written under ``step-N.tmp`` and renamed when complete, so a run killed at
+any moment leaves only complete checkpoints behind; one damaged all the same is skipped on
+resume in favour of the one before (:func:`latest_checkpoint`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+import struct
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from rlhflab.backends.native_models import iter_safetensors
+from rlhflab.models import PolicyWithValueHead
+
+log = logging.getLogger(__name__)
+
+_STEP = re.compile(r"^step-(\d+)$")
+# the keys of a trainer's state that go to optimizer.pt (whichever of them it has)
+OPTIMIZER_KEYS = ("optim", "critic_optim")
+
+
+def _save_lm(lm, folder: Path, tokenizer, state_dict: dict | None = None) -> None:
+    kwargs = {} if state_dict is None else {"state_dict": state_dict}
+    lm.save_pretrained(folder, safe_serialization=True, **kwargs)
+    tokenizer.save_pretrained(folder)
+
+
+def _strip(state: dict, prefix: str) -> dict:
+    return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+
+
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    cast,
+    state: dict,
+    keep_last: int,
+    policy_state: dict | None = None,
+    critic_state: dict | None = None,
+) -> Path:
+    """Write ``checkpoints/step-N`` atomically. ``policy_state``/``critic_state`` are full
+    (gathered) weights of a sharded policy / CriticValues module; None: read the modules."""
+    root = Path(run_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step}"
+    tmp = root / f"step-{step}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    shared = isinstance(cast.policy, PolicyWithValueHead)
+    lm_state = (
+        _strip(policy_state, "lm.") if (policy_state is not None and shared) else policy_state
+    )
+    _save_lm(cast.policy_lm, tmp / "policy", cast.tokenizer, lm_state)
+    if shared:
+        head = (
+            _strip(policy_state, "value_head.")
+            if policy_state is not None
+            else cast.policy.value_head.state_dict()
+        )
+        save_file(
+            {k: v.detach().contiguous() for k, v in head.items()},
+            str(tmp / "value_head.safetensors"),
+        )
+    if cast.critic is not None:
+        critic = _strip(critic_state, "model.") if critic_state is not None else None
+        _save_lm(cast.critic, tmp / "critic", cast.tokenizer, critic)
+    optimizers = {k: state[k] for k in OPTIMIZER_KEYS if k in state}
+    torch.save({k: v for k, v in state.items() if k not in optimizers}, tmp / "state.pt")
+    torch.save(optimizers, tmp / "optimizer.pt")
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+    for old in list_checkpoints(run_dir)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first (``.tmp`` folders are incomplete and ignored)."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.exists():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+class CheckpointError(ValueError):
+    """No checkpoint of a run can be resumed from; the message names each and why."""
+
+
+def checkpoint_fault(path: Path) -> str | None:
+    """Why the checkpoint folder ``path`` cannot be resumed from, or None when it is whole.
+
+    The rename makes a checkpoint appear only once written, but a disk that filled up, a
+    copy cut short or a power loss before the data reached the disk can still leave one
+    with missing or truncated files. Checked cheaply, before any weight is loaded (a failed
+    load would leave the models half-overwritten): each ``.pt`` opens (its zip directory is
+    at the end of the file), each ``.json`` parses and each ``.safetensors`` file is as
+    long as its header says.
+    """
+    if not (path / "state.pt").is_file():
+        return "no state.pt"
+    if not list((path / "policy").glob("*.safetensors")):
+        return "no policy weights"
+    for f in sorted(path.rglob("*")):
+        try:
+            if f.suffix == ".pt":
+                torch.load(f, weights_only=True, mmap=True)
+            elif f.suffix == ".json":
+                json.loads(f.read_bytes().decode("utf-8"))
+            elif f.suffix == ".safetensors" and not _safetensors_whole(f):
+                return f"{f.relative_to(path)} is shorter than its header says"
+        except Exception as exc:  # noqa: BLE001 - any failure to read means: not this one
+            return f"{f.relative_to(path)} is unreadable ({type(exc).__name__})"
+    return None
+
+
+def _safetensors_whole(f: Path) -> bool:
+    with open(f, "rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(n))
+    header.pop("__metadata__", None)
+    end = max((info["data_offsets"][1] for info in header.values()), default=0)
+    return f.stat().st_size >= 8 + n + end
+
+
+def latest_checkpoint(run_dir: Path, set_aside: bool = False) -> Path | None:
+    """The newest checkpoint that is whole (:func:`checkpoint_fault`), or None when the
+    run has none. A damaged one is skipped with a warning; with ``set_aside`` (the process
+    that writes the run's files) it is renamed ``step-N.corrupt``, kept for a look but out
+    of the way: left in place, ``log.keep_last`` would count it and could delete the good
+    checkpoints the resumed run writes before it. Raises CheckpointError when there are
+    checkpoints but none is whole: starting afresh would discard the run."""
+    ckpts = list_checkpoints(run_dir)
+    faults = []
+    for path in reversed(ckpts):
+        fault = checkpoint_fault(path)
+        if fault is None:
+            if faults:
+                log.warning("resuming from %s", path)
+            return path
+        faults.append(f"{path.name}: {fault}")
+        log.warning("checkpoint %s is damaged (%s); trying the one before", path, fault)
+        if set_aside:
+            aside = path.with_name(path.name + ".corrupt")
+            shutil.rmtree(aside, ignore_errors=True)
+            path.rename(aside)
+    if faults:
+        raise CheckpointError(
+            f"--resume: no checkpoint in {Path(run_dir) / 'checkpoints'} is whole "
+            f"({'; '.join(faults)})"
+        )
+    return None
+
+
+def read_weights(folder: Path, name: str | None = None) -> dict:
+    """All safetensors tensors of a folder (or one named file in it)."""
+    files = [folder / name] if name else sorted(folder.glob("*.safetensors"))
+    if not files or not all(f.exists() for f in files):
+        raise FileNotFoundError(f"{folder}: no safetensors weights")
+    weights = {}
+    for f in files:
+        weights.update(load_file(str(f)))
+    return weights
+
+
+def _load_into(model, folder: Path) -> None:
+    """Copy a saved folder's weights into ``model`` in place, one tensor at a time.
+
+    Each tensor is read from the file, copied into the model and dropped before the next
+    (``native_models.iter_safetensors``): resuming holds the weights once, not once more
+    as a loaded state dict (``load_file`` + ``load_state_dict``: +100 MiB per 25M model).
+    A LoRA adapter (small) goes through peft's own loader, which renames its keys."""
+    if hasattr(model, "peft_config"):
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(model, read_weights(folder))
+        return
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder}: no safetensors weights")
+    targets = model.state_dict()  # tensors sharing the model's storage
+    found, unexpected = set(), []
+    with torch.no_grad():
+        for f in files:
+            for name, tensor in iter_safetensors(f):
+                target = targets.get(name)
+                if target is None:
+                    unexpected.append(name)
+                    continue
+                if target.shape != tensor.shape:
+                    raise RuntimeError(
+                        f"{f}: tensor {name!r} has shape {list(tensor.shape)}, the model's "
+                        f"{list(target.shape)}"
+                    )
+                target.copy_(tensor)
+                found.add(name)
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    missing = sorted(set(targets) - found - tied)
+    if unexpected or missing:
+        raise RuntimeError(
+            f"{folder}: weights do not match the model "
+            f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
+
+
+def load_checkpoint(path: Path, cast) -> dict:
+    """Load weights into the cast in place and return the training state."""
+    _load_into(cast.policy_lm, path / "policy")
+    if isinstance(cast.policy, PolicyWithValueHead):
+        cast.policy.value_head.load_state_dict(load_file(str(path / "value_head.safetensors")))
+    if cast.critic is not None:
+        _load_into(cast.critic, path / "critic")
+    return read_state(path)
+
+
+def read_state(path: Path, optimizers: bool = True) -> dict:
+    """A checkpoint's training state: ``state.pt``, with the optimisers' states of
+    ``optimizer.pt`` merged in where ``optimizers``. Without them, the returned state has
+    no optimiser keys (also from a checkpoint of before 2026-12-05, whose state.pt held
+    them: they are dropped after reading)."""
+    state = torch.load(path / "state.pt", weights_only=True)
+    if (path / "optimizer.pt").exists():
+        if optimizers:
+            state.update(torch.load(path / "optimizer.pt", weights_only=True))
+    elif not optimizers:
+        for k in OPTIMIZER_KEYS:
+            state.pop(k, None)
+    return state
+
+
+def rng_state(generators: dict[str, torch.Generator]) -> dict:
+    import random
+
+    return {
+        "torch": torch.get_rng_state(),
+        "python": list(random.getstate()[1]),
+        **{f"gen_{k}": g.get_state() for k, g in generators.items()},
+    }
+
+
+def restore_rng(state: dict, generators: dict[str, torch.Generator]) -> None:
+    import random
+
+    torch.set_rng_state(state["torch"])
+    py = random.getstate()
+    random.setstate((py[0], tuple(int(x) for x in state["python"]), py[2]))
+    for k, g in generators.items():
+        g.set_state(state[f"gen_{k}"])

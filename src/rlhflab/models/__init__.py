@@ -1,0 +1,94 @@
+"""The models of a run: loading and preparing them, value heads, frozen-model options, the
+four-model cast (:mod:`rlhflab.models.cast`) and the local presets
+(:mod:`rlhflab.models.presets`).
+
+The names below are the package's public surface; each lives in the module named beside it.
+The cast is not imported here: it reaches up to the reward sources
+(:mod:`rlhflab.experience.rewards`), which themselves use this package.
+"""
+
+from rlhflab.models.forward import (
+    backbone_hidden,
+    causal_forward,
+    last_real_index,
+    last_token_hidden,
+    position_ids_from_mask,
+)
+from rlhflab.models.frozen import (
+    PRECISION_DTYPES,
+    LoraReference,
+    Offloaded,
+    freeze,
+    make_reference,
+    set_precision,
+)
+from rlhflab.models.heads import (
+    CriticValues,
+    PolicyWithValueHead,
+    critic_from_causal_lm,
+    critic_from_reward_model,
+    token_values,
+)
+from rlhflab.models.loading import (
+    RUNTIMES,
+    apply_lora,
+    enable_gradient_checkpointing,
+    is_checkpointing,
+    load_causal_lm,
+    load_sequence_classifier,
+    load_tokenizer,
+    module_bytes,
+    release_freed_memory,
+    resolve_path,
+    same_tokenizer,
+)
+from rlhflab.models.prepare import (
+    ModelLoadError,
+    check_weight_files,
+    disable_dropout,
+    first_line,
+    hf_config,
+    hf_load,
+    quiet_transformers,
+    require_fp32_trainable,
+    zero_dropout_fields,
+)
+
+__all__ = [
+    "RUNTIMES",
+    "PRECISION_DTYPES",
+    "CriticValues",
+    "LoraReference",
+    "ModelLoadError",
+    "Offloaded",
+    "PolicyWithValueHead",
+    "apply_lora",
+    "backbone_hidden",
+    "causal_forward",
+    "check_weight_files",
+    "critic_from_causal_lm",
+    "critic_from_reward_model",
+    "disable_dropout",
+    "enable_gradient_checkpointing",
+    "first_line",
+    "freeze",
+    "hf_config",
+    "hf_load",
+    "is_checkpointing",
+    "last_real_index",
+    "last_token_hidden",
+    "load_causal_lm",
+    "load_sequence_classifier",
+    "load_tokenizer",
+    "make_reference",
+    "module_bytes",
+    "position_ids_from_mask",
+    "quiet_transformers",
+    "release_freed_memory",
+    "require_fp32_trainable",
+    "resolve_path",
+    "same_tokenizer",
+    "set_precision",
+    "token_values",
+    "zero_dropout_fields",
+]

@@ -1,0 +1,218 @@
+"""The four-model cast of PPO for RLHF, built from the config.
+
+policy (trained) · reference (frozen initial policy, for the KL penalty) · reward (scores a
+finished answer) · critic (trained, for GAE). :func:`build_cast` applies every memory lever
+the config asks for: shared policy/value backbone, a smaller critic, low-precision or int8
+frozen models, CPU offload, and LoRA with the adapter-disabled base as the reference.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from rlhflab import models as M
+from rlhflab.backends.cpu_blas import apply_cpu_matmul
+from rlhflab.backends.lean import make_activations_lean
+from rlhflab.config import Config
+from rlhflab.experience.rewards import CompositeReward, FunctionReward, ModelReward
+from rlhflab.infra.distributed import resolve_device
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelCast:
+    tokenizer: object
+    policy: nn.Module  # a causal LM (maybe LoRA-wrapped) or PolicyWithValueHead when shared
+    critic: nn.Module | None  # sequence-classification critic; None with a shared backbone
+    reference: object  # callable like a causal LM; frozen
+    reward: CompositeReward
+    device: torch.device
+    value_layout: str  # shared | separate | from_reward | none
+
+    def __post_init__(self):
+        # the critic's values come through a forward() so DDP/FSDP can wrap the call
+        self.critic_values = M.CriticValues(self.critic) if self.critic is not None else None
+
+    @property
+    def policy_lm(self) -> nn.Module:
+        """The causal LM inside the policy (for generation and saving)."""
+        return self.policy.lm if isinstance(self.policy, M.PolicyWithValueHead) else self.policy
+
+    @property
+    def shared(self) -> bool:
+        """Policy and value head share one backbone."""
+        return isinstance(self.policy, M.PolicyWithValueHead)
+
+    @property
+    def has_values(self) -> bool:
+        """False for critic-free trainers (GRPO, RLOO, DPO)."""
+        return self.shared or self.critic is not None
+
+    def models(self) -> dict[str, object]:
+        out = {"policy": self.policy, "reference": self.reference}
+        if self.critic is not None:
+            out["critic"] = self.critic
+        for source, _ in self.reward.sources:
+            if isinstance(source, ModelReward):
+                out["reward"] = source.model
+        return out
+
+
+def _reward_sources(cfg: Config, tokenizer, device, rm=None, rm_tokenizer=None):
+    sources = []
+    if rm is not None:
+        names = [rm.config.id2label[i] for i in range(rm.config.num_labels)]
+        unknown = [h for h in cfg.reward.heads if h not in names]
+        if unknown:
+            raise M.ModelLoadError(f"reward.heads: {unknown} not among the model's heads {names}")
+        heads = cfg.reward.heads or {h: 1.0 for h in names}
+        source = ModelReward(
+            rm, rm_tokenizer, tokenizer, device=device, micro_batch=cfg.rollout.score_micro_batch
+        )
+        sources.append((source, {f"rm/{h}": w for h, w in heads.items()}))
+    for spec, weight in cfg.reward.functions.items():
+        sources.append((FunctionReward(spec), weight))
+    return sources
+
+
+def head_weight_vector(rm, heads: dict[str, float]) -> torch.Tensor:
+    names = [rm.config.id2label[i] for i in range(rm.config.num_labels)]
+    return torch.tensor([heads.get(n, 0.0) if heads else 1.0 for n in names])
+
+
+def load_policy_tokenizer(cfg: Config):
+    """The policy's tokenizer alone: cheap, so that the data can be checked before any
+    model is loaded."""
+    path = M.resolve_path(cfg.model.policy, "model.policy")
+    return M.load_tokenizer(path, cfg.model.trust_remote_code, runtime=cfg.model.runtime)
+
+
+def load_reward_tokenizer(cfg: Config):
+    """The tokenizer of ``reward.model``."""
+    path = M.resolve_path(cfg.reward.model, "reward.model")
+    return M.load_tokenizer(path, cfg.model.trust_remote_code, runtime=cfg.model.runtime)
+
+
+def load_reward_model(cfg: Config, tokenizer, dtype: torch.dtype | None = None) -> nn.Module:
+    """``reward.model`` as a finished reward model: refused without a trained ``score``
+    head. ``dtype``: by default the float dtype of ``model.reward_precision`` (fp32 for
+    int8, which quantises an fp32 model), whatever dtype the folder was saved in."""
+    mc = cfg.model
+    return M.load_sequence_classifier(
+        M.resolve_path(cfg.reward.model, "reward.model"),
+        tokenizer,
+        mc.trust_remote_code,
+        owned=mc.reward_precision != "fp32",
+        runtime=mc.runtime,
+        dtype=dtype or M.PRECISION_DTYPES.get(mc.reward_precision, torch.float32),
+        trained_head_for="reward.model",
+    )
+
+
+def freeze_reward_model(rm: nn.Module, cfg: Config, device, offload: bool) -> nn.Module:
+    """The reward model frozen, in ``model.reward_precision``, on ``device`` (kept on the
+    CPU between its forward passes with ``offload``)."""
+    precision = cfg.model.reward_precision
+    rm = M.freeze(M.set_precision(rm, precision, "cpu" if offload else device))
+    if offload:
+        return M.Offloaded(rm, device)
+    return rm.to(device) if precision != "int8" else rm
+
+
+def load_frozen_reward_model(cfg: Config, device) -> tuple[nn.Module, object]:
+    """(frozen reward model, its tokenizer) of ``reward.model``, as the cast holds it
+    (without offloading): for ``rlhflab rm --check`` and the evaluation helpers."""
+    tokenizer = load_reward_tokenizer(cfg)
+    rm = load_reward_model(cfg, tokenizer)
+    return freeze_reward_model(rm, cfg, torch.device(device), offload=False), tokenizer
+
+
+def load_frozen_policy(cfg: Config, tokenizer, device="cpu") -> nn.Module:
+    """``model.policy`` frozen in ``model.reference_precision``, as the cast's reference:
+    the reference of the held-out evaluations (demo, compare)."""
+    mc = cfg.model
+    path = M.resolve_path(mc.policy, "model.policy")
+    lm = M.load_causal_lm(path, tokenizer, mc.trust_remote_code, runtime=mc.runtime)
+    return M.make_reference(lm, mc.reference_precision, device=device)
+
+
+def build_cast(cfg: Config, device: torch.device | None = None, tokenizer=None) -> ModelCast:
+    """Load the configured models; ``tokenizer``: the policy's, where the caller has
+    already loaded it (``load_policy_tokenizer``)."""
+    device = device or resolve_device(cfg.device)
+    mc = cfg.model
+    policy_path = M.resolve_path(mc.policy, "model.policy")
+    tokenizer = tokenizer or load_policy_tokenizer(cfg)
+    lm = M.load_causal_lm(policy_path, tokenizer, mc.trust_remote_code, runtime=mc.runtime)
+
+    rm_tokenizer = load_reward_tokenizer(cfg) if cfg.reward.model else None
+    layout = mc.value_model
+    if layout == "auto":
+        layout = (
+            "from_reward"
+            if rm_tokenizer is not None and M.same_tokenizer(rm_tokenizer, tokenizer)
+            else "separate"
+        )
+    # Reward model first: a critic initialised from it is copied in fp32 (trained weights are
+    # fp32 master weights) before the reward model is cast to its own precision.
+    rm = None
+    if cfg.reward.model:
+        rm = load_reward_model(
+            cfg, rm_tokenizer, torch.float32 if layout == "from_reward" else None
+        )
+    critic = None
+    if layout == "none":
+        pass
+    elif layout == "from_reward":
+        if not M.same_tokenizer(rm_tokenizer, tokenizer):
+            raise M.ModelLoadError(
+                "model.value_model: 'from_reward' needs the reward model to "
+                "share the policy's tokenizer; use 'separate'"
+            )
+        critic = M.critic_from_reward_model(rm, head_weight_vector(rm, cfg.reward.heads))
+    elif layout == "separate":
+        critic_path = M.resolve_path(mc.critic, "model.critic") if mc.critic else policy_path
+        critic_tok = M.load_tokenizer(critic_path, mc.trust_remote_code, runtime=mc.runtime)
+        if not M.same_tokenizer(critic_tok, tokenizer):
+            raise M.ModelLoadError(
+                f"model.critic: {critic_path} does not share the policy's "
+                "tokenizer; the critic reads the policy's token ids"
+            )
+        critic = M.critic_from_causal_lm(
+            critic_path, tokenizer, mc.trust_remote_code, runtime=mc.runtime
+        )
+
+    if mc.lean_activations:  # before LoRA and the reference copy: same modules everywhere
+        for model in (lm, critic):
+            if model is not None:
+                make_activations_lean(model)
+    if mc.lora_r > 0:
+        lm = M.apply_lora(lm, mc.lora_r, mc.lora_alpha, mc.lora_targets)
+    reference = M.make_reference(lm, mc.reference_precision, mc.offload_frozen, device)
+
+    if rm is not None:
+        rm = freeze_reward_model(rm, cfg, device, mc.offload_frozen)
+    # after quantisation and offloading: only plain float Linear layers change
+    apply_cpu_matmul(mc.cpu_matmul, device, (lm, critic, reference, rm))
+    if mc.gradient_checkpointing:
+        for model in (lm, critic):
+            if model is not None:
+                M.enable_gradient_checkpointing(model)
+    policy = M.PolicyWithValueHead(lm) if layout == "shared" else lm
+    M.require_fp32_trainable(policy.to(device).train(), "the policy")
+    if critic is not None:
+        M.require_fp32_trainable(critic.to(device).train(), "the critic")
+    reward = CompositeReward(_reward_sources(cfg, tokenizer, device, rm, rm_tokenizer))
+    log.info(
+        "cast built: value layout %s, reference %s%s, device %s",
+        layout,
+        mc.reference_precision,
+        " (offloaded)" if mc.offload_frozen else "",
+        device,
+    )
+    return ModelCast(tokenizer, policy, critic, reference, reward, device, layout)

@@ -1,0 +1,126 @@
+"""The frozen models' memory levers: precision (bf16/fp16/int8), CPU offload, and the
+reference of a LoRA policy (the same weights, adapter disabled)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from rlhflab.models.loading import release_freed_memory
+from rlhflab.models.prepare import ModelLoadError
+
+PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def freeze(model: nn.Module) -> nn.Module:
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model.eval()
+
+
+def set_precision(model: nn.Module, precision: str, device: torch.device | str = "cpu"):
+    """Cast a frozen model to fp32/bf16/fp16, or int8.
+
+    int8 on CPU: torch's dynamic quantisation of every nn.Linear (weights int8, activations
+    quantised per batch). Its `torch.ao` API is deprecated in favour of torchao but still the
+    one that needs no extra package. On GPU, int8 needs bitsandbytes: load the model with
+    ``BitsAndBytesConfig(load_in_8bit=True)`` (see docs/memory.md); refused here.
+    """
+    if precision in PRECISION_DTYPES:
+        model = model.to(PRECISION_DTYPES[precision])
+        release_freed_memory()
+        return model
+    if precision != "int8":
+        raise ValueError(f"unknown precision {precision!r}")
+    if torch.device(device).type != "cpu":
+        raise ModelLoadError(
+            "int8 on an accelerator needs bitsandbytes (docs/memory.md); "
+            "torch's dynamic int8 quantisation runs on the CPU only"
+        )
+    from torch.ao.quantization import quantize_dynamic
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the deprecation notices of torch.ao
+        # in place: the caller already owns a copy, and a second one would double the peak
+        quantized = quantize_dynamic(model.float(), {nn.Linear}, dtype=torch.qint8, inplace=True)
+    release_freed_memory()
+    return quantized
+
+
+class Offloaded(nn.Module):
+    """Keeps a frozen model on the CPU and moves it to ``device`` only for its forward pass."""
+
+    def __init__(self, model: nn.Module, device: torch.device):
+        super().__init__()
+        self.model = model.to("cpu")
+        self.device = torch.device(device)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["model"], name)
+
+    def forward(self, *args, **kwargs):
+        if self.device.type == "cpu":
+            return self.model(*args, **kwargs)
+        self.model.to(self.device)
+        try:
+            return self.model(*args, **kwargs)
+        finally:
+            self.model.to("cpu")
+
+    @contextmanager
+    def on_device(self):
+        """Keep the model on the accelerator for a block of several forward passes."""
+        self.model.to(self.device)
+        try:
+            yield self.model
+        finally:
+            self.model.to("cpu")
+
+
+class LoraReference:
+    """The reference policy of a LoRA-trained policy: the same model, adapter disabled.
+
+    No second copy of the weights exists; calling it runs the base model (peft's
+    ``disable_adapter`` context).
+    """
+
+    def __init__(self, peft_model):
+        self.peft_model = peft_model
+
+    def __call__(self, *args, **kwargs):
+        with self.peft_model.disable_adapter():
+            return self.peft_model(*args, **kwargs)
+
+    @property
+    def base_model(self):
+        return self.peft_model.base_model
+
+    def context(self):
+        return self.peft_model.disable_adapter()
+
+
+def make_reference(
+    policy_lm: nn.Module,
+    precision: str = "fp32",
+    offload: bool = False,
+    device: str | torch.device = "cpu",
+):
+    """Frozen copy of the initial policy, or the adapter-disabled base of a LoRA policy."""
+    if hasattr(policy_lm, "disable_adapter"):
+        if precision != "fp32" or offload:
+            raise ModelLoadError(
+                "model.reference_precision/offload_frozen: with LoRA the "
+                "reference shares the policy's weights and cannot be cast"
+            )
+        return LoraReference(policy_lm)
+    ref = freeze(set_precision(copy.deepcopy(policy_lm), precision, "cpu" if offload else device))
+    if offload:
+        return Offloaded(ref, torch.device(device))
+    return ref.to(device) if precision != "int8" else ref

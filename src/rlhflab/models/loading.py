@@ -1,0 +1,294 @@
+"""Loading models and tokenizers from local folders, through transformers or rlhflab's
+native runtime; LoRA, activation checkpointing and byte counts.
+
+Each loader applies what every model needs before it is used (:mod:`rlhflab.models.prepare`):
+the folder's files checked, dropout off, fp32 weights for the models that train.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from rlhflab.models.prepare import (
+    ModelLoadError,
+    check_weight_files,
+    disable_dropout,
+    first_line,
+    hf_load,
+)
+from rlhflab.models.presets import PAD, preset_path
+
+
+def _owned_memory_kwargs() -> dict:
+    """Ask transformers (>= 5) to read weights into memory instead of memory-mapping them.
+
+    Memory-mapped weights stay tied to the file: after an int8 or bf16 conversion the fp32
+    pages that were read remain resident as long as any tensor of the file lives, so the
+    frozen models would cost their fp32 size anyway (measured in benchmarks/memory_cast.py).
+    """
+    import inspect
+
+    from transformers import PreTrainedModel
+
+    params = inspect.signature(PreTrainedModel.from_pretrained).parameters
+    return {"disable_mmap": True} if "disable_mmap" in params else {}
+
+
+def release_freed_memory() -> None:
+    """Return freed heap pages to the OS (glibc ``malloc_trim``), so a transient copy made
+    while loading or converting a model does not stay resident for the rest of the run."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to do
+        pass
+
+
+def resolve_path(spec: str, field: str = "model") -> Path:
+    """``preset:NAME`` → the cached preset folder; otherwise an existing local folder."""
+    if spec.startswith("preset:"):
+        try:
+            return preset_path(spec.split(":", 1)[1])
+        except ValueError as exc:
+            raise ModelLoadError(f"{field}: {exc}") from None
+    path = Path(spec).expanduser()
+    if not (path / "config.json").exists():
+        raise ModelLoadError(
+            f"{field}: {spec!r} is not a local Hugging Face model folder (no config.json); "
+            "rlhflab never downloads at run time — use preset:NAME or a saved folder"
+        )
+    try:  # read here, so that every loader after this reads a config known to be JSON
+        json.loads((path / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"{field}: {path / 'config.json'} is not valid JSON ({exc})") from None
+    return path
+
+
+RUNTIMES = ("transformers", "native")
+
+
+# the files a Hugging Face tokenizer is read from (fast, SentencePiece, BPE and WordPiece)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(
+    path: str | Path, trust_remote_code: bool = False, runtime: str = "transformers"
+):
+    """Tokenizer with a pad token distinct from EOS (one is added when missing or shared).
+
+    With ``runtime='native'`` a folder with a ``tokenizer.json`` is read by the generic
+    fast tokenizer class directly: ``AutoTokenizer`` would first resolve the model's config
+    class, which imports transformers' model-loading stack (docs/benchmarks.md, "Import cost").
+    """
+    if not any((Path(path) / name).exists() for name in TOKENIZER_FILES):
+        # transformers would otherwise fail deep inside with a page about sentencepiece
+        raise ModelLoadError(
+            f"{path}: no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); save the "
+            "tokenizer into the model folder (tokenizer.save_pretrained)"
+        )
+    if runtime == "native" and (Path(path) / "tokenizer.json").exists() and not trust_remote_code:
+        from transformers import PreTrainedTokenizerFast as TokenizerClass
+    else:
+        from transformers import AutoTokenizer as TokenizerClass
+
+    try:
+        tok = TokenizerClass.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(
+            f"{path}: the tokenizer cannot be loaded ({first_line(exc)})"
+        ) from None
+    if tok.eos_token_id is None:
+        raise ModelLoadError(f"{path}: the tokenizer has no EOS token; answers could never end")
+    if tok.pad_token_id is None or tok.pad_token_id == tok.eos_token_id:
+        # Sharing pad and EOS makes the EOS look like padding and drop out of the mask.
+        tok.add_special_tokens({"pad_token": PAD})
+    return tok
+
+
+def _fit_vocab(model, tokenizer) -> None:
+    if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
+        model.resize_token_embeddings(len(tokenizer))
+    model.config.pad_token_id = tokenizer.pad_token_id
+
+
+def _check_runtime(runtime: str, trust_remote_code: bool) -> None:
+    if runtime not in RUNTIMES:
+        raise ModelLoadError(f"model.runtime: {runtime!r} is not one of {list(RUNTIMES)}")
+    if runtime == "native" and trust_remote_code:
+        raise ModelLoadError(
+            "model.runtime=native runs rlhflab's own Llama code; it cannot run a "
+            "checkpoint's remote code (model.trust_remote_code) — use runtime=transformers"
+        )
+
+
+def _load_native(path, kind: str, tokenizer, **kwargs):
+    """A native model, fitted to the tokenizer and without dropout, as the loaders return."""
+    from rlhflab.backends.native import NativeConfigError
+    from rlhflab.backends.native_models import load_native
+
+    try:
+        model = load_native(path, kind, **kwargs)
+    except NativeConfigError as exc:
+        raise ModelLoadError(str(exc)) from None
+    _fit_vocab(model, tokenizer)
+    return disable_dropout(model)
+
+
+def load_causal_lm(
+    path: str | Path,
+    tokenizer,
+    trust_remote_code: bool = False,
+    dtype: torch.dtype = torch.float32,
+    runtime: str = "transformers",
+):
+    """A causal LM from a local folder, through transformers or rlhflab's native runtime,
+    in ``dtype`` whatever dtype the checkpoint was saved in (transformers >= 5 would keep
+    the saved one)."""
+    _check_runtime(runtime, trust_remote_code)
+    check_weight_files(path)
+    if runtime == "native":
+        return _load_native(path, "causal", tokenizer, dtype=dtype)
+    from transformers import AutoModelForCausalLM
+
+    model, _ = hf_load(AutoModelForCausalLM, path, trust_remote_code, {}, dtype=dtype)
+    _fit_vocab(model, tokenizer)
+    return disable_dropout(model)
+
+
+def load_sequence_classifier(
+    path: str | Path,
+    tokenizer,
+    trust_remote_code: bool = False,
+    num_labels: int | None = None,
+    owned: bool = False,
+    runtime: str = "transformers",
+    dtype: torch.dtype = torch.float32,
+    trained_head_for: str | None = None,
+):
+    """An HF sequence-classification model (reward model or critic); ``score`` is its head.
+
+    ``dtype``: the weights' dtype whatever the checkpoint's (fp32: trained models hold fp32
+    master weights; a frozen reward model may ask for its configured precision).
+    ``owned=True`` reads the weights into memory instead of memory-mapping the file: use it
+    for a model that will be converted to int8/bf16, whose fp32 pages would otherwise stay
+    resident with the mapping (the native runtime always reads into memory).
+    ``trained_head_for``: the config field that asks for a finished reward model
+    (``reward.model``): a folder without ``score`` weights (a causal LM) is refused instead
+    of being given a freshly initialised head, which would score at random.
+    """
+    _check_runtime(runtime, trust_remote_code)
+    saved = check_weight_files(path).get("score.weight")
+    if num_labels is not None and saved and saved[0] != num_labels:
+        # transformers would refuse it with a traceback pointing at a report it printed
+        raise ModelLoadError(
+            f"{path}: its saved score head has {saved[0]} outputs where {num_labels} are "
+            "needed (rm.heads: one per head); start from a causal LM or match the heads"
+        )
+    if runtime == "native":
+        return _load_native(
+            path,
+            "classifier",
+            tokenizer,
+            num_labels=num_labels,
+            dtype=dtype,
+            trained_head_for=trained_head_for,
+        )
+    from transformers import AutoModelForSequenceClassification
+    from transformers.utils import logging as hf_logging
+
+    from rlhflab.backends.native_models import untrained_head_message
+
+    fields = {} if num_labels is None else {"num_labels": num_labels}
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the "newly initialised score weights" report: we set them
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model, info = hf_load(
+                AutoModelForSequenceClassification,
+                path,
+                trust_remote_code,
+                fields,
+                dtype=dtype,
+                **(_owned_memory_kwargs() if owned else {}),
+            )
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    if not isinstance(getattr(model, "score", None), nn.Linear):
+        raise ModelLoadError(
+            f"{path}: expected a sequence-classification model with a linear "
+            "`score` head (Llama, Qwen, Mistral, Gemma, GPT-2 families)"
+        )
+    fresh_head = any(k.split(".")[0] == "score" for k in info["missing_keys"])
+    if trained_head_for and fresh_head:
+        raise ModelLoadError(untrained_head_message(path, trained_head_for))
+    _fit_vocab(model, tokenizer)
+    return disable_dropout(model)
+
+
+def same_tokenizer(a, b) -> bool:
+    """Same vocabulary and special tokens: token ids can be passed between the two models."""
+    return (
+        a.get_vocab() == b.get_vocab()
+        and a.eos_token_id == b.eos_token_id
+        and a.pad_token_id == b.pad_token_id
+    )
+
+
+def enable_gradient_checkpointing(model: nn.Module) -> nn.Module:
+    """Recompute decoder-layer activations in backward (transformers' own mechanism, the
+    non-reentrant torch.utils.checkpoint, which needs no input that requires grad, so LoRA
+    works too). It acts only in train mode: sampling (eval mode, KV cache) is unaffected."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ModelLoadError(
+            f"model.gradient_checkpointing: {type(model).__name__} does not support it"
+        )
+    # transformers >= 5.x renamed it (the old name warns); older releases only have the old
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def is_checkpointing(model: nn.Module) -> bool:
+    """Whether activation (gradient) checkpointing is on, under either transformers name."""
+    flag = getattr(type(model), "is_activation_checkpointing", None)
+    return bool(model.is_activation_checkpointing if flag else model.is_gradient_checkpointing)
+
+
+def apply_lora(lm: nn.Module, r: int, alpha: float, targets: list[str]):
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise ModelLoadError("model.lora_r > 0 needs peft: pip install 'rlhflab[lora]'") from None
+    cfg = LoraConfig(
+        r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets, task_type="CAUSAL_LM"
+    )
+    with warnings.catch_warnings():
+        # peft asks the model `is_gradient_checkpointing`, which transformers 5 deprecates
+        # in favour of `is_activation_checkpointing`: a notice for peft, not for our users
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*deprecated")
+        return get_peft_model(lm, cfg)
+
+
+def module_bytes(model: nn.Module) -> int:
+    """Bytes of all weights, tied tensors once; int8-packed Linear weights (their state_dict
+    holds a (qweight, bias) tuple) count 1 byte per weight."""
+    seen, total = set(), 0
+    for value in model.state_dict().values():
+        tensors = value if isinstance(value, tuple) else (value,)
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+    return total

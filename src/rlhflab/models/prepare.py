@@ -1,0 +1,128 @@
+"""What every model loader does besides reading the weights (:mod:`rlhflab.models`):
+the checks of a model folder that turn a broken file into one line naming it, dropout off
+before and after the model is built, and the fp32 rule for trained weights."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+def quiet_transformers() -> None:
+    """Silence transformers' per-load progress bars; rlhflab shows its own per stage."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+class ModelLoadError(ValueError):
+    """A model or tokenizer folder that cannot be used as configured."""
+
+
+# names of dropout probabilities in configs and modules: attention_dropout, hidden_dropout,
+# resid_pdrop (GPT-2, Phi), drop_path_rate, layerdrop
+DROPOUT_NAME = re.compile(r"dropout|pdrop|drop_?path|layerdrop", re.IGNORECASE)
+DROPOUT_MODULES = (
+    nn.Dropout,
+    nn.Dropout1d,
+    nn.Dropout2d,
+    nn.Dropout3d,
+    nn.AlphaDropout,
+    nn.FeatureAlphaDropout,
+)
+
+
+def zero_dropout_fields(obj) -> None:
+    """Set every float attribute of ``obj`` named like a dropout probability to 0.0, and so
+    in its sub-configs (``text_config`` and the like)."""
+    for key, value in list(vars(obj).items()):
+        if isinstance(value, float) and DROPOUT_NAME.search(key):
+            setattr(obj, key, 0.0)
+        elif key.endswith("_config") and hasattr(value, "__dict__"):
+            zero_dropout_fields(value)
+
+
+def disable_dropout(model: nn.Module) -> nn.Module:
+    """Dropout off everywhere (N+ detail): otherwise the first PPO ratio is not 1.
+
+    Three places hold a dropout probability: dropout modules (``p``), float attributes that
+    modules copied from the config when they were built (Llama/Qwen2/Mistral attention keep
+    ``self.attention_dropout`` and pass it to the attention kernel in train mode), and the
+    config itself. Zeroing the config alone reaches none of the built modules; the loaders
+    also zero it before the model is built (:func:`hf_config`)."""
+    for module in model.modules():
+        if isinstance(module, DROPOUT_MODULES):
+            module.p = 0.0
+        zero_dropout_fields(module)
+    cfg = getattr(model, "config", None)
+    if cfg is not None:
+        zero_dropout_fields(cfg)
+    return model
+
+
+def require_fp32_trainable(model: nn.Module, what: str) -> nn.Module:
+    """Every trained weight is an fp32 master weight: a 16-bit one loses most small AdamW
+    updates (bf16 keeps 8 bits of mantissa). Raised, never cast here: a trainable 16-bit
+    parameter means a loader forgot its dtype."""
+    wrong = [
+        f"{name} ({p.dtype})"
+        for name, p in model.named_parameters()
+        if p.requires_grad and p.dtype != torch.float32
+    ]
+    if wrong:
+        raise RuntimeError(f"{what}: trainable parameters not in float32: {wrong[:3]}")
+    return model
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def check_weight_files(path) -> dict[str, list[int]]:
+    """Each safetensors file of the folder readable and whole (header parsed, every tensor's
+    data inside the file): a file cut short by a failed copy is named here, before either
+    runtime reads it (transformers would fail with a bare SafetensorError). Returns the
+    saved tensors' shapes ({} for a checkpoint in another format)."""
+    from rlhflab.backends.native import NativeConfigError
+    from rlhflab.backends.native_models import check_safetensors, weight_files
+
+    shapes = {}
+    try:
+        for f in weight_files(Path(path)):
+            shapes.update(check_safetensors(f))
+    except NativeConfigError as exc:
+        raise ModelLoadError(str(exc)) from None
+    return shapes
+
+
+def hf_config(path, trust_remote_code: bool, **fields):
+    """The folder's transformers config with every dropout probability zeroed *before* the
+    model is built from it: modules copy some of them into plain attributes at build time."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **fields)
+    zero_dropout_fields(config)
+    return config
+
+
+def hf_load(auto_class, path, trust_remote_code: bool, fields: dict, **kwargs):
+    """``auto_class.from_pretrained`` with the dropout-free config, as (model, loading info);
+    a folder transformers cannot read becomes a :class:`ModelLoadError` naming it."""
+    from safetensors import SafetensorError
+
+    quiet_transformers()
+    try:
+        config = hf_config(path, trust_remote_code, **fields)
+        return auto_class.from_pretrained(
+            path,
+            config=config,
+            trust_remote_code=trust_remote_code,
+            output_loading_info=True,
+            **kwargs,
+        )
+    except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
+        raise ModelLoadError(f"{path}: the model cannot be loaded ({first_line(exc)})") from None
