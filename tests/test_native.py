@@ -9,13 +9,8 @@ import torch
 
 from rlhflab import models as M
 from rlhflab.backends.lean import make_activations_lean
-from rlhflab.backends.native import (
-    KVCache,
-    NativeConfigError,
-    apply_rotary,
-    attention_mask_4d,
-    read_config,
-)
+from rlhflab.backends.native import KVCache, apply_rotary, attention_mask_4d
+from rlhflab.backends.native_config import NativeConfigError, read_config
 from rlhflab.backends.native_models import load_native, read_safetensors
 from rlhflab.models.presets import build_preset, preset_path
 from tests.test_lean import tiny_llama

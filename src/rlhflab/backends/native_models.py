@@ -17,14 +17,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from rlhflab.backends.native import (
-    KVCache,
-    NativeConfig,
-    NativeConfigError,
-    NativeLlamaModel,
-    NativeOutput,
-    read_config,
-)
+from rlhflab.backends.native import KVCache, NativeLlamaModel, NativeOutput
+from rlhflab.backends.native_config import NativeConfig, NativeConfigError, read_config
 
 
 def _grown_rows(weight: torch.Tensor, n: int) -> torch.Tensor:

@@ -12,7 +12,7 @@ Conventions used by every function below:
   ``torch.where`` (never multiplied by 0, which would turn a NaN in padding into a NaN
   result), and a fully masked row never produces NaN.
 
-Sources are cited per function; ``shared/docs/ppo-details.md`` collects them and lists
+Sources are cited per function; ``docs/ppo-details.md`` collects them and lists
 where they disagree. Short names: OAI19 = Ziegler et al. 2019 (arXiv 1909.08593),
 N+ = Huang et al. 2024 "The N+ implementation details of RLHF with PPO" (arXiv 2403.17031),
 DSM = DeepSeekMath (arXiv 2402.03300), DrGRPO = Liu et al. 2025 (arXiv 2503.20783),

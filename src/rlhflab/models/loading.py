@@ -131,7 +131,7 @@ def _check_runtime(runtime: str, trust_remote_code: bool) -> None:
 
 def _load_native(path, kind: str, tokenizer, **kwargs):
     """A native model, fitted to the tokenizer and without dropout, as the loaders return."""
-    from rlhflab.backends.native import NativeConfigError
+    from rlhflab.backends.native_config import NativeConfigError
     from rlhflab.backends.native_models import load_native
 
     try:

@@ -87,7 +87,7 @@ def check_weight_files(path) -> dict[str, list[int]]:
     data inside the file): a file cut short by a failed copy is named here, before either
     runtime reads it (transformers would fail with a bare SafetensorError). Returns the
     saved tensors' shapes ({} for a checkpoint in another format)."""
-    from rlhflab.backends.native import NativeConfigError
+    from rlhflab.backends.native_config import NativeConfigError
     from rlhflab.backends.native_models import check_safetensors, weight_files
 
     shapes = {}

@@ -1,0 +1,145 @@
+"""The four-model cast (`model`) and where scores come from (`reward`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlhflab.config.base import setting
+
+PRECISIONS = ("fp32", "bf16", "fp16", "int8")
+
+
+@dataclass
+class ModelConfig:
+    policy: str = setting(
+        "preset:tiny",
+        "Policy to train: a local Hugging Face causal-LM folder, or 'preset:NAME' for a built-in "
+        "Llama-style model (nano, tiny, small, medium) made without any download.",
+    )
+    trust_remote_code: bool = setting(
+        False, "Allow model folders to run their own Python code. Off: it executes arbitrary code."
+    )
+    runtime: str = setting(
+        "transformers",
+        "Which code runs the models. 'transformers': Hugging Face's classes (any architecture "
+        "they support). 'native': rlhflab's own Llama forward (rlhflab/backends/native.py) over the "
+        "same safetensors files, for model_type llama with default RoPE; with rlhflab's own "
+        "AdamW a run never imports transformers' modelling code or torch's compiler stack "
+        "(~93 MiB less resident memory, docs/benchmarks.md). Not with LoRA or "
+        "trust_remote_code.",
+        choices=("transformers", "native"),
+    )
+    value_model: str = setting(
+        "auto",
+        "Critic layout. 'shared': a value head on the policy's backbone (OAI19; least memory). "
+        "'separate': its own backbone from `critic` (or a copy of the policy). 'from_reward': "
+        "initialised from the reward model, head included (N+, InstructGPT). 'auto' = "
+        "from_reward when a reward model is configured, else separate (ppo-details §6.4). "
+        "'none': no critic (GRPO, RLOO and DPO set it).",
+        choices=("auto", "shared", "separate", "from_reward", "none"),
+    )
+    critic: str | None = setting(
+        None,
+        "Causal-LM folder for a 'separate' critic; may be smaller than the policy but must "
+        "share its tokenizer. Default: a copy of the policy.",
+    )
+    vf_coef: float = setting(
+        0.1,
+        "Weight of the value loss in the combined loss of a shared backbone (OAI19, N+: 0.1).",
+        low=0.0,
+    )
+    reference_precision: str = setting(
+        "fp32",
+        "Precision of the frozen reference: fp32, bf16, fp16, or int8 (dynamic "
+        "quantisation of Linear layers on CPU). Lower saves memory; the KL gets noisier.",
+        choices=PRECISIONS,
+    )
+    reward_precision: str = setting(
+        "fp32",
+        "Precision of the frozen reward model (same choices as reference_precision).",
+        choices=PRECISIONS,
+    )
+    offload_frozen: bool = setting(
+        False,
+        "Keep reference and reward model on the CPU; move each to the accelerator only for "
+        "its forward pass. No effect on a CPU-only run.",
+    )
+    gradient_checkpointing: bool = setting(
+        False,
+        "Recompute each decoder layer's activations in the backward pass instead of keeping "
+        "them (policy and a separate critic): less memory for about one more forward of "
+        "compute. TRL's GRPO/RLOO turn it on by default.",
+    )
+    lean_activations: bool = setting(
+        True,
+        "Llama-family RMSNorm and SwiGLU MLP blocks (Llama, Mistral, Qwen2/3, SmolLM3) of "
+        "every trained model keep fewer activations for backward: the normalised input and "
+        "SiLU(gate)*up are recomputed from what is kept (elementwise work, no matmul). Same "
+        "outputs, same gradients up to rounding, about a third fewer saved bytes "
+        "(rlhflab/backends/lean.py). Other architectures are left as they are.",
+    )
+    cpu_matmul: str = setting(
+        "torch",
+        "Which library multiplies the Linear layers' float32/64 matrices on the CPU. 'torch': "
+        "PyTorch's own (Intel MKL in its CPU wheels). 'numpy': the BLAS numpy carries "
+        "(OpenBLAS in its wheels) for products of 64 rows or more, in forward and backward "
+        "(rlhflab/backends/cpu_blas.py): on the AMD EPYC machines we test on, OpenBLAS multiplies "
+        "float32 6-12 % faster than MKL (benchmarks/cpu_matmul.py), and matmuls are most of "
+        "a CPU run; on the Intel Xeon (AVX-512) machines it is 4-15 % slower. Same results "
+        "to float rounding. Off by default: run the benchmark on your CPU before switching. "
+        "CPU device only.",
+        choices=("torch", "numpy"),
+    )
+    lora_r: int = setting(
+        0,
+        "LoRA rank for the policy (0 = full fine-tuning). With LoRA the reference is the base "
+        "model with the adapter disabled: no second copy in memory.",
+        low=0,
+    )
+    lora_alpha: float = setting(
+        16.0, "LoRA scaling alpha (the update is scaled by alpha/r).", low=0.0, low_open=True
+    )
+    lora_targets: list[str] = setting(
+        ["q_proj", "k_proj", "v_proj", "o_proj"], "Module names LoRA adapts."
+    )
+
+
+@dataclass
+class RewardConfig:
+    model: str | None = setting(
+        None,
+        "Reward model: a Hugging Face sequence-classification folder (one output per head) "
+        "with trained `score` weights — a causal-LM folder is refused, not scored through a "
+        "fresh random head. Its score is read at the last real token: the EOS of an answer "
+        "that ended, the last answer token of one cut off at max_new_tokens (encoded as in "
+        "`rlhflab rm`: prompt and answer apart, rewards.encode_for_reward).",
+    )
+    heads: dict[str, float] = setting(
+        {},
+        "Weight of each reward-model head by name (from the model's id2label), combined into "
+        "the scalar the policy optimises. Empty: every head with weight 1.",
+    )
+    functions: dict[str, float] = setting(
+        {},
+        "Programmatic rewards 'module:function' → weight. The function takes (prompts, "
+        "responses) and returns one float per answer, or a dict of named lists of floats.",
+    )
+    missing_eos_penalty: float | None = setting(
+        None,
+        "Subtracted from the score of an answer that hit max_new_tokens without EOS (TRL "
+        "PPO's choice; OAI19 replaced the score with −1). None: off.",
+        low=0.0,
+    )
+    normalize: str = setting(
+        "none",
+        "Score normalisation before shaping: 'batch' whitens scores over the rollout "
+        "batch, 'running' divides by the std of every score so far, over all ranks (MOSS; "
+        "left as they are until scores differ), 'none' (N+, TRL; ppo-details §4.6).",
+        choices=("none", "batch", "running"),
+    )
+    clip: float | None = setting(
+        None,
+        "Clip normalised scores to ±clip (MOSS uses 5). None: no clipping.",
+        low=0.0,
+        low_open=True,
+    )

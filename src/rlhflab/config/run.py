@@ -1,0 +1,139 @@
+"""What a run reads and writes and how it watches itself: prompts (`data`), logs and
+checkpoints (`log`), reward-hacking monitors (`monitor`), data parallelism (`dist`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlhflab.config.base import setting
+
+
+@dataclass
+class DataConfig:
+    prompts: str | None = setting(
+        None,
+        "Prompt file: .jsonl, .parquet or .csv with a `prompt` string or chat `messages` "
+        "per row. None: the built-in task's prompts.",
+    )
+    prompt_field: str = setting("prompt", "Column holding the prompt text.")
+    messages_field: str = setting(
+        "messages", "Column holding chat messages (rendered with the tokenizer's chat template)."
+    )
+    on_bad_row: str = setting(
+        "error",
+        "A malformed, empty or too-long row: 'error' stops with file, line and field; "
+        "'skip' drops it and counts it in the log.",
+        choices=("error", "skip"),
+    )
+    task: str = setting("mixed", "Built-in task family used when `prompts` is None.")
+
+
+@dataclass
+class LogConfig:
+    output_dir: str = setting(
+        "runs/ppo", "Run directory: config, metrics.jsonl, samples.jsonl, checkpoints/."
+    )
+    tensorboard: bool = setting(False, "Also write TensorBoard events (needs tensorboard).")
+    wandb: bool = setting(False, "Also log to Weights & Biases (needs wandb installed).")
+    sample_every: int = setting(5, "Write sample generations every N iterations.", low=1)
+    samples_per_log: int = setting(4, "How many samples each time.", low=0)
+    checkpoint_every: int = setting(10, "Checkpoint every N iterations (and at the end).", low=1)
+    keep_last: int = setting(2, "Checkpoints kept; older ones are deleted.", low=1)
+    progress: bool = setting(True, "Show a progress bar.")
+
+
+@dataclass
+class MonitorConfig:
+    enabled: bool = setting(True, "Compute the reward-hacking signals every iteration.")
+    response: str = setting(
+        "warn",
+        "What an alert does: 'warn' logs it; 'raise_kl' multiplies β by kl_factor; 'stop' "
+        "checkpoints and stops with a message naming the signal and what to try.",
+        choices=("warn", "raise_kl", "stop"),
+    )
+    kl_factor: float = setting(1.5, "β multiplier for response 'raise_kl'.", low=1.0)
+    gold: str | None = setting(
+        None,
+        "A gold reward 'module:function' (same contract as reward.functions) to measure "
+        "the proxy against. The built-in task's is rlhflab.builtin.tasks:gold_reward.",
+    )
+    reference_every: int = setting(
+        1,
+        "Sample the reference's answers to the batch's prompts every N iterations for the "
+        "length-drift signal (one extra generation); 0 = off.",
+        low=0,
+    )
+    phrases: list[str] = setting(
+        [
+            "Great question",
+            "I'm happy to help",
+            "What a wonderful",
+            "这是一个很好的问题",
+            "我很乐意帮助你",
+        ],
+        "Flattery phrases counted by the flattery_rate signal.",
+    )
+    ngram: int = setting(3, "n of the repeated-n-gram and distinct-n signals (tokens).", low=1)
+    warmup_iterations: int = setting(
+        1, "No alert in the first N iterations (the first rollout is the reference's own).", low=0
+    )
+    smoothing: float = setting(
+        0.8,
+        "EMA factor for the gold/proxy trend (batch means of 64 answers move ±0.1).",
+        low=0.0,
+        high=0.99,
+    )
+    length_ratio: float | None = setting(1.5, "Alert above this length ratio to the reference.")
+    flattery_rate: float | None = setting(0.5, "Alert above this share of flattering answers.")
+    flattery_excess: float | None = setting(
+        0.15,
+        "Alert when the share of flattering answers exceeds the reference's on the same "
+        "prompts by this much (needs reference_every; fires earlier than flattery_rate).",
+    )
+    flattery_opener_ratio: float | None = setting(
+        1.3,
+        "Alert when the policy is this many times likelier than the reference to open an "
+        "answer with a listed phrase (forced decoding on the batch's prompts: one no-grad "
+        "pass of policy and reference, the prompts' KV cache shared by the phrases; None = "
+        "not computed).",
+        low=0.0,
+        low_open=True,
+    )
+    opener_tokens: int = setting(
+        4,
+        "flattery_opener_ratio scores each phrase on its first N tokens (the opening decision "
+        "is made there; the probe's cost grows with N).",
+        low=1,
+    )
+    repeated_ngram_rate: float | None = setting(0.3, "Alert above this repeated n-gram share.")
+    reward_length_corr: float | None = setting(0.8, "Alert above this score–length correlation.")
+    gold_drop: float | None = setting(
+        0.2,
+        "Alert when the smoothed gold reward is this far below its best while the proxy "
+        "rises (gold-reward units).",
+    )
+    kl_limit: float | None = setting(
+        None, "Alert above this KL (nats per answer). None: 2 × ppo.kl_target when set, else off."
+    )
+    entropy_ratio: float | None = setting(0.2, "Alert below this share of the initial entropy.")
+
+
+@dataclass
+class DistConfig:
+    strategy: str = setting(
+        "ddp",
+        "Under torchrun: 'ddp' replicates the trained models and all-reduces gradients; "
+        "'fsdp' shards them with FSDP2 (fully_shard), per decoder layer.",
+        choices=("ddp", "fsdp"),
+    )
+    shard_reference: bool = setting(
+        False,
+        "With fsdp: shard the frozen reference too (else replicated on every rank). The "
+        "reward model is always replicated.",
+    )
+    mixed_precision: str = setting(
+        "none",
+        "With fsdp: parameter dtype in forward/backward ('bf16', 'fp16'); gradients are "
+        "reduced in fp32. 'none': the stored dtype.",
+        choices=("none", "bf16", "fp16"),
+    )

@@ -1,0 +1,108 @@
+"""The settings of the other stages and methods: `grpo`, `dpo`, `sft`, `rm`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlhflab.config.base import setting
+
+
+@dataclass
+class GRPOConfig:
+    group_size: int = setting(
+        4,
+        "Answers sampled per prompt (G); rollout.prompts_per_iteration counts answers and "
+        "must be a multiple of G.",
+        low=2,
+    )
+    normalize_std: bool = setting(
+        True,
+        "Divide by the group's std (DSM). False centres only: Dr. GRPO's fix for the "
+        "difficulty bias (pair it with ppo.loss_agg=seq-mean-token-sum-norm).",
+    )
+    eps: float = setting(1e-6, "Added to the group std (verl 1e-6).", low=0.0)
+
+
+@dataclass
+class DPOConfig:
+    data: str | None = setting(
+        None,
+        "Preference pairs (prompt, chosen, rejected). None: the built-in annotator's, "
+        "labelled with the rm.* annotator settings.",
+    )
+    pairs: int = setting(3000, "Built-in preference pairs to label.", low=1)
+    beta: float = setting(
+        0.1, "DPO β: strength of the implicit KL to the reference.", low=0.0, low_open=True
+    )
+    loss_type: str = setting("sigmoid", "'sigmoid' (DPO) or 'ipo'.", choices=("sigmoid", "ipo"))
+    label_smoothing: float = setting(0.0, "Conservative-DPO ε (sigmoid only).", low=0.0, high=0.49)
+    steps: int = setting(200, "Optimiser steps.", low=1)
+    batch_size: int = setting(32, "Pairs per step.", low=1)
+    lr: float = setting(1e-4, "Learning rate.", low=0.0, low_open=True)
+    warmup_steps: int = setting(10, "Linear warm-up steps, then constant.", low=0)
+
+
+@dataclass
+class SFTConfig:
+    data: str | None = setting(
+        None,
+        "SFT data: .jsonl/.csv/.parquet rows with `prompt` and `response` strings. None: the "
+        "built-in task's noisy-teacher answers.",
+    )
+    examples: int = setting(4000, "Built-in teacher examples to generate.", low=1)
+    output_dir: str = setting("runs/sft/model", "Where the fine-tuned policy is saved (HF folder).")
+    steps: int = setting(600, "Optimiser steps.", low=1)
+    batch_size: int = setting(32, "Sequences per step.", low=1)
+    lr: float = setting(
+        1e-3,
+        "Learning rate; high because the presets start from random weights.",
+        low=0.0,
+        low_open=True,
+    )
+    warmup_steps: int = setting(30, "Linear warm-up steps, then cosine decay.", low=0)
+
+
+@dataclass
+class RMConfig:
+    data: str | None = setting(
+        None,
+        "Preference pairs: rows with `prompt`, `chosen`, `rejected` and optional `labels` "
+        "(attribute → 1/0/0.5). None: the built-in simulated annotator.",
+    )
+    init: str | None = setting(
+        None,
+        "Model folder the reward model starts from. None: model.policy (the SFT model, as "
+        "InstructGPT does).",
+    )
+    heads: dict[str, float] = setting(
+        {"preference": 1.0, "correctness": 1.0, "brevity": 1.0, "politeness": 1.0},
+        "Heads and their training-loss weights. 'preference' learns the annotator's overall "
+        "choice; any other head learns the pair's per-attribute label of that name.",
+    )
+    margin: float | None = setting(
+        None,
+        "Bradley-Terry margin subtracted from chosen − rejected (Llama-2). None: off.",
+        low=0.0,
+    )
+    pairs: int = setting(3000, "Built-in preference pairs to label.", low=2)
+    heldout_fraction: float = setting(
+        0.1, "Share of pairs held out for accuracy.", low=0.0, high=0.9, low_open=True
+    )
+    noise: float = setting(
+        0.3,
+        "Built-in annotator temperature on gold-reward differences (0 = noiseless).",
+        low=0.0,
+    )
+    length_bias: float = setting(
+        0.0, "Built-in annotator's extra utility per answer word (a known flaw).", low=0.0
+    )
+    flattery_bias: float = setting(
+        0.0,
+        "Built-in annotator's extra utility for a flattering opener (a known flaw).",
+        low=0.0,
+    )
+    output_dir: str = setting("runs/rm/model", "Where the reward model is saved (HF folder).")
+    steps: int = setting(400, "Optimiser steps.", low=1)
+    batch_size: int = setting(32, "Pairs per step.", low=1)
+    lr: float = setting(5e-4, "Learning rate.", low=0.0, low_open=True)
+    warmup_steps: int = setting(20, "Linear warm-up steps, then cosine decay.", low=0)
