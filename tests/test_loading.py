@@ -11,8 +11,8 @@ from rlhflab import models as M
 from rlhflab.app.cli import main
 from rlhflab.backends.native_models import read_safetensors
 from rlhflab.config import load_config
+from rlhflab.experience import cast as C
 from rlhflab.experience.rewards import ModelReward
-from rlhflab.models import cast as C
 from rlhflab.models.presets import preset_path
 from rlhflab.trainers.dpo import DPO_BASE, DPOTrainer
 from rlhflab.trainers.ppo import PPOTrainer

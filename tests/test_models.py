@@ -6,9 +6,9 @@ import torch
 from rlhflab import models as M
 from rlhflab.config import load_config
 from rlhflab.core.algorithms import logprobs_from_logits
+from rlhflab.experience.cast import build_cast
 from rlhflab.experience.rewards import FunctionReward, ModelReward, RewardBatch, RewardError
 from rlhflab.models import presets
-from rlhflab.models.cast import build_cast
 
 
 def batch_ids(tok, texts):

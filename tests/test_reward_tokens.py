@@ -6,9 +6,9 @@ import torch
 from rlhflab import models as M
 from rlhflab.config import load_config
 from rlhflab.experience import rewards as R
+from rlhflab.experience.cast import build_cast
 from rlhflab.experience.data import PreferencePair
 from rlhflab.experience.rollout import Rollout, left_pad, score_rollout
-from rlhflab.models.cast import build_cast
 from rlhflab.models.presets import preset_path
 from rlhflab.trainers.rm import heldout_scores
 

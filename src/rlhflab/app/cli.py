@@ -91,7 +91,7 @@ def cmd_memory(args) -> int:
         iteration_memory,
         peak_rss_bytes,
     )
-    from rlhflab.models.cast import build_cast
+    from rlhflab.experience.cast import build_cast
 
     cfg = load_config(args.config, args.overrides)
     cast = build_cast(cfg)

@@ -43,7 +43,7 @@ def worker(method: str, config_json: str, eval_prompts: int) -> dict:
     from rlhflab.builtin import tasks
     from rlhflab.diagnostics.evaluate import evaluate_policy
     from rlhflab.diagnostics.memory import peak_rss_bytes
-    from rlhflab.models.cast import load_frozen_policy
+    from rlhflab.experience.cast import load_frozen_policy
 
     cfg = validate(configbase.build(Config, json.loads(config_json)), method)
     cfg.log.progress = False
@@ -87,8 +87,12 @@ def worker(method: str, config_json: str, eval_prompts: int) -> dict:
 
 def _reward_only(cfg: Config):
     """The weighted reward of a config, without building the rest of a cast."""
+    from rlhflab.experience.cast import (
+        _reward_sources,
+        load_frozen_reward_model,
+        load_policy_tokenizer,
+    )
     from rlhflab.experience.rewards import CompositeReward
-    from rlhflab.models.cast import _reward_sources, load_frozen_reward_model, load_policy_tokenizer
 
     rm, rm_tok = load_frozen_reward_model(cfg, "cpu")
     return CompositeReward(_reward_sources(cfg, load_policy_tokenizer(cfg), "cpu", rm, rm_tok))

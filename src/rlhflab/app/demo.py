@@ -17,7 +17,7 @@ from rlhflab.app.tables import DEMO_COLUMNS
 from rlhflab.builtin import tasks
 from rlhflab.config import load_config
 from rlhflab.diagnostics.evaluate import evaluate_policy
-from rlhflab.models.cast import load_frozen_policy
+from rlhflab.experience.cast import load_frozen_policy
 
 log = logging.getLogger(__name__)
 

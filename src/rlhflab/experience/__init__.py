@@ -1,1 +1,2 @@
-"""What a rollout is made of: prompt and pair data, sampling, scoring, reward sources."""
+"""What a rollout is made of and who makes it: the four-model cast, prompt and pair data,
+sampling, scoring and the reward sources."""

@@ -1,10 +1,8 @@
-"""The models of a run: loading and preparing them, value heads, frozen-model options, the
-four-model cast (:mod:`rlhflab.models.cast`) and the local presets
-(:mod:`rlhflab.models.presets`).
+"""The models of a run: loading and preparing them, value heads, frozen-model options and
+the local presets (:mod:`rlhflab.models.presets`). The four-model cast built from them and
+the config is one layer up, in :mod:`rlhflab.experience.cast`.
 
 The names below are the package's public surface; each lives in the module named beside it.
-The cast is not imported here: it reaches up to the reward sources
-(:mod:`rlhflab.experience.rewards`), which themselves use this package.
 """
 
 from rlhflab.models.forward import (

@@ -21,6 +21,7 @@ from rlhflab.config import Config, ConfigError
 from rlhflab.core import algorithms as A
 from rlhflab.diagnostics.memory import peak_rss_bytes
 from rlhflab.diagnostics.monitor import HackingMonitor
+from rlhflab.experience.cast import ModelCast, build_cast, load_policy_tokenizer
 from rlhflab.experience.rewards import FunctionReward, RunningMoments
 from rlhflab.experience.rollout import (
     Rollout,
@@ -37,7 +38,6 @@ from rlhflab.infra.distributed import (
     shard,
     wrap_trained,
 )
-from rlhflab.models.cast import ModelCast, build_cast, load_policy_tokenizer
 from rlhflab.trainers.common import (
     build_optimizer,
     build_scheduler,

@@ -25,10 +25,10 @@ from rlhflab.builtin import tasks
 from rlhflab.config import Config, ConfigError
 from rlhflab.core import losses as L
 from rlhflab.diagnostics.rm_checks import gold_warning, length_warning, reward_checks
+from rlhflab.experience.cast import load_frozen_reward_model
 from rlhflab.experience.data import DataError, PreferencePair, load_preferences
 from rlhflab.experience.rewards import FunctionReward, RewardBatch, encode_for_reward, reward_scores
 from rlhflab.infra.distributed import resolve_device
-from rlhflab.models.cast import load_frozen_reward_model
 from rlhflab.trainers.common import (
     Halt,
     build_optimizer_simple,
