@@ -52,7 +52,7 @@ def child(layout: str, rm_path: str) -> None:
     from rlhflab.config import load_config
     from rlhflab.core.algorithms import logprobs_from_logits
     from rlhflab.diagnostics.memory import peak_rss_bytes
-    from rlhflab.models.cast import build_cast
+    from rlhflab.experience.cast import build_cast
 
     torch.manual_seed(0)
     baseline = current_rss()

@@ -9,9 +9,10 @@ from rlhflab.app.compare import METHODS, run_compare
 # the table in the run folder and in each report), not the learning; the trainers' own
 # quick-preset tests check that reward rises.
 SMALL = [
-    "sft.steps=80",
-    "rm.steps=30",
+    "sft.steps=40",
+    "rm.steps=20",
     "rm.pairs=120",
+    "dpo.steps=8",
     "ppo.iterations=2",
     "rollout.prompts_per_iteration=16",
     "rollout.max_new_tokens=12",
@@ -20,7 +21,7 @@ SMALL = [
 
 def test_compare_writes_one_row_per_method_and_the_report_shows_it(tmp_path):
     table = run_compare(
-        "quick", seed=3, out_root=tmp_path, extra=SMALL, progress=False, eval_prompts=32
+        "quick", seed=3, out_root=tmp_path, extra=SMALL, progress=False, eval_prompts=16
     )
     run = tmp_path / "compare-quick-s3"
     assert table["run_dir"] == str(run)
