@@ -67,8 +67,9 @@ class ModelConfig:
     gradient_checkpointing: bool = setting(
         False,
         "Recompute each decoder layer's activations in the backward pass instead of keeping "
-        "them (policy and a separate critic): less memory for about one more forward of "
-        "compute. TRL's GRPO/RLOO turn it on by default.",
+        "them, in every trained model (SFT, RM and DPO policies, the PPO policy and a separate "
+        "critic): less memory for about one more forward of compute. TRL's GRPO/RLOO turn it "
+        "on by default.",
     )
     lean_activations: bool = setting(
         True,

@@ -15,11 +15,16 @@ import torch
 from torch import nn
 
 from rlhflab import models as M
-from rlhflab.backends.cpu_blas import apply_cpu_matmul
-from rlhflab.backends.lean import make_activations_lean
 from rlhflab.config import Config
 from rlhflab.experience.rewards import CompositeReward, FunctionReward, ModelReward
 from rlhflab.infra.distributed import resolve_device
+from rlhflab.models.build import (
+    finish_models,
+    load_model,
+    load_tokenizer_for,
+    prepare_trained,
+    to_trained,
+)
 
 log = logging.getLogger(__name__)
 
@@ -88,29 +93,28 @@ def head_weight_vector(rm, heads: dict[str, float]) -> torch.Tensor:
 def load_policy_tokenizer(cfg: Config):
     """The policy's tokenizer alone: cheap, so that the data can be checked before any
     model is loaded."""
-    path = M.resolve_path(cfg.model.policy, "model.policy")
-    return M.load_tokenizer(path, cfg.model.trust_remote_code, runtime=cfg.model.runtime)
+    return load_tokenizer_for(cfg.model.policy, cfg.model)
 
 
 def load_reward_tokenizer(cfg: Config):
     """The tokenizer of ``reward.model``."""
-    path = M.resolve_path(cfg.reward.model, "reward.model")
-    return M.load_tokenizer(path, cfg.model.trust_remote_code, runtime=cfg.model.runtime)
+    return load_tokenizer_for(cfg.reward.model, cfg.model, "reward.model")
 
 
 def load_reward_model(cfg: Config, tokenizer, dtype: torch.dtype | None = None) -> nn.Module:
     """``reward.model`` as a finished reward model: refused without a trained ``score``
     head. ``dtype``: by default the float dtype of ``model.reward_precision`` (fp32 for
     int8, which quantises an fp32 model), whatever dtype the folder was saved in."""
-    mc = cfg.model
-    return M.load_sequence_classifier(
-        M.resolve_path(cfg.reward.model, "reward.model"),
+    return load_model(
+        cfg.reward.model,
         tokenizer,
-        mc.trust_remote_code,
-        owned=mc.reward_precision != "fp32",
-        runtime=mc.runtime,
-        dtype=dtype or M.PRECISION_DTYPES.get(mc.reward_precision, torch.float32),
+        cfg.model,
+        "classifier",
+        field="reward.model",
+        trained=False,
+        precision=cfg.model.reward_precision,
         trained_head_for="reward.model",
+        dtype=dtype,
     )
 
 
@@ -135,10 +139,8 @@ def load_frozen_reward_model(cfg: Config, device) -> tuple[nn.Module, object]:
 def load_frozen_policy(cfg: Config, tokenizer, device="cpu") -> nn.Module:
     """``model.policy`` frozen in ``model.reference_precision``, as the cast's reference:
     the reference of the held-out evaluations (demo, compare)."""
-    mc = cfg.model
-    path = M.resolve_path(mc.policy, "model.policy")
-    lm = M.load_causal_lm(path, tokenizer, mc.trust_remote_code, runtime=mc.runtime)
-    return M.make_reference(lm, mc.reference_precision, device=device)
+    lm = load_model(cfg.model.policy, tokenizer, cfg.model, trained=False)
+    return M.make_reference(lm, cfg.model.reference_precision, device=device)
 
 
 def build_cast(cfg: Config, device: torch.device | None = None, tokenizer=None) -> ModelCast:
@@ -146,9 +148,8 @@ def build_cast(cfg: Config, device: torch.device | None = None, tokenizer=None) 
     already loaded it (``load_policy_tokenizer``)."""
     device = device or resolve_device(cfg.device)
     mc = cfg.model
-    policy_path = M.resolve_path(mc.policy, "model.policy")
     tokenizer = tokenizer or load_policy_tokenizer(cfg)
-    lm = M.load_causal_lm(policy_path, tokenizer, mc.trust_remote_code, runtime=mc.runtime)
+    lm = load_model(mc.policy, tokenizer, mc)
 
     rm_tokenizer = load_reward_tokenizer(cfg) if cfg.reward.model else None
     layout = mc.value_model
@@ -175,38 +176,28 @@ def build_cast(cfg: Config, device: torch.device | None = None, tokenizer=None) 
                 "share the policy's tokenizer; use 'separate'"
             )
         critic = M.critic_from_reward_model(rm, head_weight_vector(rm, cfg.reward.heads))
+        critic = prepare_trained(critic, mc)
     elif layout == "separate":
-        critic_path = M.resolve_path(mc.critic, "model.critic") if mc.critic else policy_path
-        critic_tok = M.load_tokenizer(critic_path, mc.trust_remote_code, runtime=mc.runtime)
-        if not M.same_tokenizer(critic_tok, tokenizer):
+        spec, field = (mc.critic, "model.critic") if mc.critic else (mc.policy, "model.policy")
+        if not M.same_tokenizer(load_tokenizer_for(spec, mc, field), tokenizer):
             raise M.ModelLoadError(
-                f"model.critic: {critic_path} does not share the policy's "
+                f"model.critic: {spec} does not share the policy's "
                 "tokenizer; the critic reads the policy's token ids"
             )
-        critic = M.critic_from_causal_lm(
-            critic_path, tokenizer, mc.trust_remote_code, runtime=mc.runtime
-        )
+        critic = load_model(spec, tokenizer, mc, "critic", field=field)
 
-    if mc.lean_activations:  # before LoRA and the reference copy: same modules everywhere
-        for model in (lm, critic):
-            if model is not None:
-                make_activations_lean(model)
     if mc.lora_r > 0:
         lm = M.apply_lora(lm, mc.lora_r, mc.lora_alpha, mc.lora_targets)
     reference = M.make_reference(lm, mc.reference_precision, mc.offload_frozen, device)
 
     if rm is not None:
         rm = freeze_reward_model(rm, cfg, device, mc.offload_frozen)
-    # after quantisation and offloading: only plain float Linear layers change
-    apply_cpu_matmul(mc.cpu_matmul, device, (lm, critic, reference, rm))
-    if mc.gradient_checkpointing:
-        for model in (lm, critic):
-            if model is not None:
-                M.enable_gradient_checkpointing(model)
-    policy = M.PolicyWithValueHead(lm) if layout == "shared" else lm
-    M.require_fp32_trainable(policy.to(device).train(), "the policy")
+    finish_models(mc, device, trained=(lm, critic), frozen=(reference, rm))
+    policy = to_trained(
+        M.PolicyWithValueHead(lm) if layout == "shared" else lm, device, "the policy"
+    )
     if critic is not None:
-        M.require_fp32_trainable(critic.to(device).train(), "the critic")
+        critic = to_trained(critic, device, "the critic")
     reward = CompositeReward(_reward_sources(cfg, tokenizer, device, rm, rm_tokenizer))
     log.info(
         "cast built: value layout %s, reference %s%s, device %s",

@@ -18,9 +18,6 @@ from pathlib import Path
 
 import torch
 
-from rlhflab import models as M
-from rlhflab.backends.cpu_blas import apply_cpu_matmul
-from rlhflab.backends.lean import make_activations_lean
 from rlhflab.builtin import tasks
 from rlhflab.config import Config, ConfigError
 from rlhflab.core import losses as L
@@ -29,6 +26,7 @@ from rlhflab.experience.cast import load_frozen_reward_model
 from rlhflab.experience.data import DataError, PreferencePair, load_preferences
 from rlhflab.experience.rewards import FunctionReward, RewardBatch, encode_for_reward, reward_scores
 from rlhflab.infra.distributed import resolve_device
+from rlhflab.models.build import finish_models, load_model, load_tokenizer_for, to_trained
 from rlhflab.trainers.common import (
     Halt,
     build_optimizer_simple,
@@ -253,22 +251,15 @@ def train_rm(cfg: Config) -> dict:
         raise ConfigError("rm.heads: at least one head is needed")
     # a data file is read before the model is loaded: a bad row is reported in seconds
     pairs = load_preferences(r.data) if r.data else None
-    init = M.resolve_path(r.init or cfg.model.policy, "rm.init")
-    tokenizer = M.load_tokenizer(init, cfg.model.trust_remote_code, runtime=cfg.model.runtime)
+    init = r.init or cfg.model.policy
+    tokenizer = load_tokenizer_for(init, cfg.model, "rm.init")
     # a causal LM (the SFT model) legitimately starts here with a fresh head; fp32 whatever
     # the folder's dtype: these are the trained weights
-    model = M.load_sequence_classifier(
-        init,
-        tokenizer,
-        cfg.model.trust_remote_code,
-        num_labels=len(heads),
-        runtime=cfg.model.runtime,
-        dtype=torch.float32,
+    model = load_model(
+        init, tokenizer, cfg.model, "classifier", field="rm.init", num_labels=len(heads)
     )
-    model = M.require_fp32_trainable(model.to(device).train(), "the reward model")
-    if cfg.model.lean_activations:
-        make_activations_lean(model)
-    apply_cpu_matmul(cfg.model.cpu_matmul, device, (model,))
+    finish_models(cfg.model, device, trained=(model,))
+    model = to_trained(model, device, "the reward model")
     model.config.id2label = dict(enumerate(heads))
     model.config.label2id = {h: i for i, h in enumerate(heads)}
     if pairs is None:

@@ -14,13 +14,12 @@ from pathlib import Path
 import torch
 
 from rlhflab import models as M
-from rlhflab.backends.cpu_blas import apply_cpu_matmul
-from rlhflab.backends.lean import make_activations_lean
 from rlhflab.builtin import tasks
 from rlhflab.config import Config
 from rlhflab.core import algorithms as A
 from rlhflab.experience.data import DataError, iter_rows
 from rlhflab.infra.distributed import resolve_device
+from rlhflab.models.build import finish_models, load_model, load_tokenizer_for, to_trained
 from rlhflab.trainers.common import (
     Halt,
     build_optimizer_simple,
@@ -88,15 +87,10 @@ def train_sft(cfg: Config) -> dict:
     device = resolve_device(cfg.device)
     # a data file is read before the model is loaded: a bad row is reported in seconds
     pairs = load_sft_pairs(s.data) if s.data else None
-    path = M.resolve_path(cfg.model.policy, "model.policy")
-    tokenizer = M.load_tokenizer(path, cfg.model.trust_remote_code, runtime=cfg.model.runtime)
-    model = M.load_causal_lm(
-        path, tokenizer, cfg.model.trust_remote_code, torch.float32, cfg.model.runtime
-    )
-    model = M.require_fp32_trainable(model.to(device).train(), "the SFT policy")
-    if cfg.model.lean_activations:
-        make_activations_lean(model)
-    apply_cpu_matmul(cfg.model.cpu_matmul, device, (model,))
+    tokenizer = load_tokenizer_for(cfg.model.policy, cfg.model)
+    model = load_model(cfg.model.policy, tokenizer, cfg.model)
+    finish_models(cfg.model, device, trained=(model,))
+    model = to_trained(model, device, "the SFT policy")
     if pairs is None:
         pairs = builtin_sft_pairs(s.examples, cfg.seed)
     opt = build_optimizer_simple(model.parameters(), s.lr)
