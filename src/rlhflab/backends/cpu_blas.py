@@ -21,8 +21,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import sys
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -51,15 +51,20 @@ class _ArrayInterface:
         }
 
 
-_TYPESTR = {torch.float32: np.dtype(np.float32).str, torch.float64: np.dtype(np.float64).str}
+# numpy's type strings, spelled out so that importing this module does not import numpy
+# (only a run with model.cpu_matmul=numpy multiplies through it)
+_ENDIAN = "<" if sys.byteorder == "little" else ">"
+_TYPESTR = {torch.float32: _ENDIAN + "f4", torch.float64: _ENDIAN + "f8"}
 
 
-def _ndarray(t: torch.Tensor) -> np.ndarray:
+def _ndarray(t: torch.Tensor):
     """A numpy view of CPU tensor ``t``'s memory, valid while ``t`` lives.
 
     Not ``t.numpy()``: that marks the tensor's storage as not resizable for good, and
     FSDP2 frees a gathered weight by resizing its storage to zero after each forward
     ("Trying to resize storage that is not resizable" under ``dist.strategy: fsdp``)."""
+    import numpy as np  # imported once, on the first numpy matmul
+
     return np.asarray(_ArrayInterface(t))
 
 
@@ -70,6 +75,8 @@ def numpy_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     they are (numpy hands their layout to gemm), other strides are copied first. The
     operands' storages are left as they were (see :func:`_ndarray`).
     """
+    import numpy as np
+
     out = torch.empty((a.shape[0], b.shape[1]), dtype=a.dtype)
     np.matmul(_ndarray(a.detach()), _ndarray(b.detach()), out=_ndarray(out))
     return out

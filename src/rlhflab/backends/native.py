@@ -288,6 +288,9 @@ class NativeOutput:
 class NativeLlamaModel(nn.Module):
     """The backbone: embeddings, decoder layers, final norm (transformers' ``model.*``)."""
 
+    # forward(keep_last=N) runs the last layer on the last N rows only (models.forward asks)
+    computes_last_rows_only = True
+
     def __init__(self, cfg: NativeConfig):
         super().__init__()
         self.config = cfg

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import torch
 
-from rlhflab.backends.native import NativeLlamaModel
-
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions counting real tokens only, so left padding does not shift them."""
@@ -22,7 +20,9 @@ def backbone_hidden(model, input_ids, attention_mask, keep_last: int = 0) -> tor
     if hasattr(model, "get_base_model"):  # a peft model: LoRA layers are injected in place
         model = model.get_base_model()
     kwargs = {}
-    native = isinstance(model.base_model, NativeLlamaModel)
+    # the native runtime's backbone can run its last layer on the kept rows only; asked by
+    # attribute so that importing this module does not import the native runtime
+    native = getattr(model.base_model, "computes_last_rows_only", False)
     if native and keep_last:
         kwargs["keep_last"] = keep_last
     out = model.base_model(
