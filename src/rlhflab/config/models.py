@@ -25,7 +25,7 @@ class ModelConfig:
         "they support). 'native': rlhflab's own Llama forward (rlhflab/backends/native.py) over the "
         "same safetensors files, for model_type llama with default RoPE; with rlhflab's own "
         "AdamW a run never imports transformers' modelling code or torch's compiler stack "
-        "(~93 MiB less resident memory, docs/benchmarks.md). Not with LoRA or "
+        "(less resident memory per process: docs/benchmarks.md, 'Import cost'). Not with LoRA or "
         "trust_remote_code.",
         choices=("transformers", "native"),
     )
@@ -84,10 +84,10 @@ class ModelConfig:
         "Which library multiplies the Linear layers' float32/64 matrices on the CPU. 'torch': "
         "PyTorch's own (Intel MKL in its CPU wheels). 'numpy': the BLAS numpy carries "
         "(OpenBLAS in its wheels) for products of 64 rows or more, in forward and backward "
-        "(rlhflab/backends/cpu_blas.py): on the AMD EPYC machines we test on, OpenBLAS multiplies "
-        "float32 6-12 % faster than MKL (benchmarks/cpu_matmul.py), and matmuls are most of "
-        "a CPU run; on the Intel Xeon (AVX-512) machines it is 4-15 % slower. Same results "
-        "to float rounding. Off by default: run the benchmark on your CPU before switching. "
+        "(rlhflab/backends/cpu_blas.py). Which is faster depends on the CPU (on some AMD EPYC "
+        "machines OpenBLAS wins, on Intel Xeon with AVX-512 MKL does: docs/benchmarks.md); "
+        "same results to float rounding. Off by default: run benchmarks/cpu_matmul.py on "
+        "your CPU before switching. "
         "CPU device only.",
         choices=("torch", "numpy"),
     )

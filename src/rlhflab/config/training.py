@@ -79,15 +79,14 @@ class PPOConfig:
         "critic's first training forward sees the weights and answers the old values are "
         "taken on: run it while scoring, take the old values from it and keep its graph "
         "for the first value loss, instead of a separate no-grad critic forward (one "
-        "critic forward fewer per iteration, ~3.6 % of the work at 25M). Same values; the "
+        "critic forward fewer per iteration; docs/benchmarks.md measures it). Same values; the "
         "critic runs in training mode either way. Ignored in every other case.",
     )
     step_in_backward: bool = setting(
         False,
         "Update each weight with AdamW as soon as its gradient is complete in the backward "
         "pass and free that gradient, so a trained model's gradients are never all held "
-        "at once (at 25M parameters: −200 MiB peak with a separate critic, "
-        "docs/benchmarks.md). Same updates bit for bit. Needs max_grad_norm null (a clip "
+        "at once (the peak it saves: docs/benchmarks.md). Same updates bit for bit. Needs max_grad_norm null (a clip "
         "needs all of a model's gradients first), one micro-batch per minibatch and a single "
         "process. The guard then holds back only tensors whose gradient is not finite (the "
         "rest are already updated, and their AdamW step counts advance while the "
