@@ -135,7 +135,7 @@ class RewardConfig:
         "none",
         "Score normalisation before shaping: 'batch' whitens scores over the rollout "
         "batch, 'running' divides by the std of every score so far, over all ranks (MOSS; "
-        "left as they are until scores differ), 'none' (N+, TRL; ppo-details §4.6).",
+        "left as they are until scores differ), 'none' (N+, TRL; ppo-details §2.3).",
         choices=("none", "batch", "running"),
     )
     clip: float | None = setting(
