@@ -121,7 +121,7 @@ def masked_whiten(
 
 def scale_by_running_std(x: torch.Tensor, var: float, eps: float = 1e-8) -> torch.Tensor:
     """x / sqrt(var + eps): scores divided by the running std, not shifted (MOSS's reward
-    scaling; ppo-details §4.6). ``var`` is the running variance (a float); ``eps`` keeps a
+    scaling; ppo-details §2.3). ``var`` is the running variance (a float); ``eps`` keeps a
     zero variance from dividing by zero."""
     if not var >= 0:
         raise ValueError(f"var must be >= 0, got {var}")
