@@ -1,7 +1,8 @@
 """A loss or gradient that is not finite halts every trainer the same way (issue #24).
 
 The command prints one line naming the trainer's step and the setting to lower, exits 2,
-and leaves the last good state intact: SFT and RM write nothing, DPO and PPO keep their
+and leaves the last good state intact: SFT and RM leave their output folder as it was and
+save the weights from before the bad step beside it (OUT/last-good), DPO and PPO keep their
 last complete checkpoint, loadable and finite. A learning rate of 1e30 on the nano preset
 makes the loss or a gradient non-finite within three steps.
 """
@@ -33,7 +34,7 @@ def finite_weights(folder) -> bool:
         ("rm", ["rm.steps=6", "rm.pairs=40", "rm.batch_size=4"], "RM"),
     ],
 )
-def test_supervised_stages_halt_in_one_line_and_write_nothing(
+def test_supervised_stages_halt_in_one_line_and_keep_the_last_good_weights(
     tmp_path, capsys, command, args, trainer
 ):
     out = tmp_path / "out"
@@ -53,7 +54,11 @@ def test_supervised_stages_halt_in_one_line_and_write_nothing(
     line = one_error_line(capsys)
     assert f"{trainer} step " in line and f"lower {command}.lr" in line, line
     assert "non-finite" in line
-    assert [p.name for p in out.iterdir()] == ["previous.txt"]  # nothing half-written
+    # the output folder as it was, and the weights from before the bad step beside it
+    assert sorted(p.name for p in out.iterdir()) == ["last-good", "previous.txt"]
+    assert (out / "previous.txt").read_text() == "an earlier model lives here"
+    assert f"are in {out / 'last-good'}" in line
+    assert finite_weights(out / "last-good")
 
 
 def test_dpo_halts_in_one_line_and_keeps_its_last_checkpoint(tmp_path, capsys):

@@ -195,15 +195,20 @@ def broken(tmp_path_factory):
     """Copies of the nano preset, each broken one way."""
     root = tmp_path_factory.mktemp("broken")
     out = {}
-    for fault in ("cut_short", "no_tokenizer", "bad_config"):
+    for fault in ("cut_short", "lfs_pointer", "no_tokenizer", "bad_config", "config_list"):
         folder = out[fault] = root / fault
         shutil.copytree(preset_path("nano"), folder)
     weights = out["cut_short"] / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-100])
+    # what a clone without git-lfs leaves: its first 8 bytes read as a length of exabytes
+    (out["lfs_pointer"] / "model.safetensors").write_text(
+        "version https://git-lfs.github.com/spec/v1\noid sha256:" + "0" * 64 + "\nsize 1234\n"
+    )
     for f in out["no_tokenizer"].iterdir():
         if f.name.startswith("tokenizer") or f.name in ("chat_template.jinja",):
             f.unlink()
     (out["bad_config"] / "config.json").write_text('{"model_type": "llama",')
+    (out["config_list"] / "config.json").write_text("[]")  # JSON, but no settings
     return out
 
 
@@ -220,8 +225,10 @@ def error_line(capsys) -> str:
     "fault,names",
     [
         ("cut_short", "model.safetensors"),
+        ("lfs_pointer", "model.safetensors"),
         ("no_tokenizer", "tokenizer"),
         ("bad_config", "config.json"),
+        ("config_list", "config.json"),
     ],  # fmt: skip
 )
 def test_a_broken_model_folder_is_one_line_and_status_2(

@@ -8,6 +8,7 @@ checkpoint.
 
 import json
 import logging
+import shutil
 
 import pytest
 import torch
@@ -103,6 +104,13 @@ def test_resume_skips_a_corrupt_newest_checkpoint(tmp_path, caplog):
     first.fit()
     ckpts = C.list_checkpoints(tmp_path / "run")
     assert [p.name for p in ckpts] == ["step-2", "step-4"]
+    # a copy that lost a whole file is told apart from a layout that never has it (a shared
+    # backbone has no critic/): each checkpoint lists its files
+    lost = tmp_path / "lost"
+    shutil.copytree(ckpts[0], lost)
+    (lost / "optimizer.pt").unlink()
+    assert C.checkpoint_fault(ckpts[0]) is None
+    assert C.checkpoint_fault(lost) == "optimizer.pt is missing"
     newest = ckpts[-1] / "optimizer.pt"
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # cut mid-write
     resumed = PPOTrainer(make_cfg(tmp_path, "ppo.epochs=1", "ppo.minibatches=1"))

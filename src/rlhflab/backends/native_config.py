@@ -57,6 +57,8 @@ def read_config(folder: str | Path) -> NativeConfig:
         fields = json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise NativeConfigError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(fields, dict):
+        raise NativeConfigError(f"{path}: not a model config (a JSON object of settings)")
     checks = {
         "model_type": (fields.get("model_type"), SUPPORTED_MODEL_TYPES),
         "hidden_act": (fields.get("hidden_act", "silu"), ("silu",)),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import struct
 import sys
 from contextlib import contextmanager
@@ -191,10 +192,15 @@ def read_weights(folder: Path, dtype: torch.dtype | None = None) -> dict[str, to
 
 def _read_header(f, path: Path) -> tuple[dict, int]:
     """(header without its metadata, offset of the data) of an open safetensors file."""
+    size = os.fstat(f.fileno()).st_size
     try:
         (header_len,) = struct.unpack("<Q", f.read(8))
+        # checked before reading: the first 8 bytes of something else (a Git LFS pointer's
+        # "version ", say) read as a length of exabytes
+        if header_len > size - 8:
+            raise ValueError(f"its header claims {header_len} bytes, the file has {size}")
         header = json.loads(f.read(header_len))
-    except (struct.error, UnicodeDecodeError, json.JSONDecodeError) as err:
+    except (struct.error, ValueError, UnicodeDecodeError) as err:
         raise NativeConfigError(f"{path}: not a safetensors file ({err})") from err
     if not isinstance(header, dict):
         raise NativeConfigError(f"{path}: not a safetensors file (its header is not a table)")

@@ -42,6 +42,9 @@ def _save_lm(lm, folder: Path, tokenizer, state_dict: dict | None = None) -> Non
     tokenizer.save_pretrained(folder)
 
 
+MANIFEST = "manifest.json"
+
+
 def _strip(state: dict, prefix: str) -> dict:
     return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
 
@@ -84,6 +87,10 @@ def save_checkpoint(
     optimizers = {k: state[k] for k in OPTIMIZER_KEYS if k in state}
     torch.save({k: v for k, v in state.items() if k not in optimizers}, tmp / "state.pt")
     torch.save(optimizers, tmp / "optimizer.pt")
+    # what a whole copy of this checkpoint holds: a copy that lost a file is told apart from
+    # a run that never wrote one (a shared backbone has no critic/, for instance)
+    files = sorted(str(f.relative_to(tmp)) for f in tmp.rglob("*") if f.is_file())
+    (tmp / MANIFEST).write_text(json.dumps(files))
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)
@@ -119,6 +126,16 @@ def checkpoint_fault(path: Path) -> str | None:
         return "no state.pt"
     if not list((path / "policy").glob("*.safetensors")):
         return "no policy weights"
+    if (path / MANIFEST).is_file():  # checkpoints from 2026-12-06 on list their files
+        try:
+            listed = json.loads((path / MANIFEST).read_text())
+        except (OSError, ValueError) as exc:
+            return f"{MANIFEST} is unreadable ({type(exc).__name__})"
+        missing = [f for f in listed if not (path / f).is_file()]
+        if missing:
+            return f"{missing[0]} is missing" + (
+                f" (and {len(missing) - 1} more)" * (len(missing) > 1)
+            )
     for f in sorted(path.rglob("*")):
         try:
             if f.suffix == ".pt":

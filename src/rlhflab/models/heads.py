@@ -65,7 +65,12 @@ def token_values(critic, input_ids, attention_mask, keep_last: int = 0) -> torch
 def critic_from_causal_lm(path, tokenizer, trust_remote_code=False, runtime="transformers"):
     """A separate critic: the causal LM's backbone with a zero-initialised scalar head."""
     critic = load_sequence_classifier(
-        path, tokenizer, trust_remote_code, num_labels=1, runtime=runtime
+        path,
+        tokenizer,
+        trust_remote_code,
+        num_labels=1,
+        runtime=runtime,
+        heads_reason="model.critic: a critic has one value head",
     )
     nn.init.zeros_(critic.score.weight)
     if critic.score.bias is not None:

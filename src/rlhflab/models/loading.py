@@ -66,9 +66,13 @@ def resolve_path(spec: str, field: str = "model") -> Path:
             "rlhflab never downloads at run time — use preset:NAME or a saved folder"
         )
     try:  # read here, so that every loader after this reads a config known to be JSON
-        json.loads((path / "config.json").read_text())
+        settings = json.loads((path / "config.json").read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ModelLoadError(f"{field}: {path / 'config.json'} is not valid JSON ({exc})") from None
+    if not isinstance(settings, dict):
+        raise ModelLoadError(
+            f"{field}: {path / 'config.json'} is not a model config (a JSON object of settings)"
+        )
     return path
 
 
@@ -172,6 +176,7 @@ def load_sequence_classifier(
     runtime: str = "transformers",
     dtype: torch.dtype = torch.float32,
     trained_head_for: str | None = None,
+    heads_reason: str = "rm.heads: one per head",
 ):
     """An HF sequence-classification model (reward model or critic); ``score`` is its head.
 
@@ -183,6 +188,7 @@ def load_sequence_classifier(
     ``trained_head_for``: the config field that asks for a finished reward model
     (``reward.model``): a folder without ``score`` weights (a causal LM) is refused instead
     of being given a freshly initialised head, which would score at random.
+    ``heads_reason``: why ``num_labels`` heads are needed, named when the saved head differs.
     """
     _check_runtime(runtime, trust_remote_code)
     saved = check_weight_files(path).get("score.weight")
@@ -190,7 +196,7 @@ def load_sequence_classifier(
         # transformers would refuse it with a traceback pointing at a report it printed
         raise ModelLoadError(
             f"{path}: its saved score head has {saved[0]} outputs where {num_labels} are "
-            "needed (rm.heads: one per head); start from a causal LM or match the heads"
+            f"needed ({heads_reason}); start from a causal LM or match the heads"
         )
     if runtime == "native":
         return _load_native(

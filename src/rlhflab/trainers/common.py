@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+import shutil
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -43,6 +45,28 @@ class Halt:
     def check(self, value: torch.Tensor, step: int, what: str) -> None:
         if not bool(torch.isfinite(value).all()):
             raise self.error(step, what)
+
+
+LAST_GOOD = "last-good"
+
+
+def keep_last_good(model, tokenizer, out: Path) -> Callable[[], str]:
+    """A :class:`Halt` ``kept`` for a supervised stage that writes its model once, at the
+    end: at a halt the weights are still the last good ones (the bad update was refused), so
+    they are saved to ``OUT/last-good`` (written in a temporary folder, then renamed) and
+    ``OUT`` itself is left as it was."""
+
+    def kept() -> str:
+        final = Path(out) / LAST_GOOD
+        tmp = final.with_name(LAST_GOOD + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        return f"The weights before that step (the last good state) are in {final}."
+
+    return kept
 
 
 def build_optimizer(groups: list[dict], p):

@@ -31,6 +31,7 @@ from rlhflab.trainers.common import (
     Halt,
     build_optimizer_simple,
     build_scheduler,
+    keep_last_good,
     progress,
     supervised_step,
 )
@@ -275,8 +276,8 @@ def train_rm(cfg: Config) -> dict:
     gen = torch.Generator().manual_seed(cfg.seed)
     start, losses = time.perf_counter(), []
     out = Path(r.output_dir)
-    # the model is written once, after the last step: a halt leaves the folder as it was
-    halt = Halt("RM", "rm.lr", lambda: f"Nothing was saved; {out} is as it was.")
+    # the model is written once, after the last step; a halt keeps the last good weights
+    halt = Halt("RM", "rm.lr", keep_last_good(model, tokenizer, out))
     bar = progress(range(r.steps), cfg.log.progress, "RM")
     for step in bar:
         idx = torch.randint(len(train), (r.batch_size,), generator=gen)

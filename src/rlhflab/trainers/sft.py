@@ -24,6 +24,7 @@ from rlhflab.trainers.common import (
     Halt,
     build_optimizer_simple,
     build_scheduler,
+    keep_last_good,
     progress,
     supervised_step,
 )
@@ -98,8 +99,8 @@ def train_sft(cfg: Config) -> dict:
     gen = torch.Generator().manual_seed(cfg.seed)
     losses, start = [], time.perf_counter()
     out = Path(s.output_dir)
-    # the model is written once, after the last step: a halt leaves the folder as it was
-    halt = Halt("SFT", "sft.lr", lambda: f"Nothing was saved; {out} is as it was.")
+    # the model is written once, after the last step; a halt keeps the last good weights
+    halt = Halt("SFT", "sft.lr", keep_last_good(model, tokenizer, out))
     bar = progress(range(s.steps), cfg.log.progress, "SFT")
     for step in bar:
         idx = torch.randint(len(pairs), (s.batch_size,), generator=gen).tolist()
