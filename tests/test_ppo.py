@@ -199,7 +199,11 @@ def test_values_from_training_forward_drops_the_scoring_forward(tmp_path, in_bac
     assert runs[1].kept_values is None  # the kept graph does not outlive its iteration
     # the same values up to float rounding (a forward with autograd recording takes other
     # kernels than a no-grad one), so the same run to 1e-5
-    assert rows[0][0] == rows[1][0]  # the critic's head starts at zero: all values are 0
+    # the critic's head starts at zero: all values are 0, and the first iteration is the same
+    # to the bit, but for the critic's gradient norm (its backward runs through the kernels
+    # of a forward recorded for autograd in one run, not in the other: checked to 1e-5 below)
+    first = [{k: v for k, v in r[0].items() if k != "val/grad_norm"} for r in rows]
+    assert first[0] == first[1]
     for a, b in zip(*rows):
         assert b.keys() == a.keys()
         for key in a:
