@@ -1,6 +1,7 @@
 # The two commands that do everything on a fresh machine: `make demo` and `make test`.
 # TORCH_SPEC chooses the torch build: the default is the CPU wheel our machines carry;
-# override e.g. `make test TORCH_SPEC="torch==2.5.1"` or `TORCH_SPEC=torch` for the newest.
+# override e.g. `make test TORCH_SPEC="torch==2.14.1"` or `TORCH_SPEC=torch` for the newest
+# (torch >= 2.6: FSDP2's public fully_shard; the tests run on 2.13.0).
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
