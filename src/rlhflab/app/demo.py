@@ -46,7 +46,7 @@ PRESETS: dict[str, dict] = {
         },
     },
     "default": {
-        "doc": "the full demo, about 5 minutes on 2 cores",
+        "doc": "the full demo, about 2 minutes on 2 cores (docs/demo.md)",
         "eval_prompts": 512,
         "overrides": {
             "sft.steps": 1000,
