@@ -232,16 +232,17 @@ def convert_gguf(src: str | Path, out: str | Path, dtype: str = "fp32", force: b
         info["bytes"] / 1e6,
     )
     model, tokenizer = _load_with_transformers(src, info)
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        tmp.mkdir()
+        tmp.mkdir(parents=True)
         log.info("writing %s (%s)", out, dtype)
         _write_config(model, tmp, DTYPES[dtype])
         params = _write_weights(model, tmp, DTYPES[dtype])
         _write_tokenizer(tokenizer, tmp, model.get_input_embeddings().weight.shape[0])
         _replace(tmp, out)
+    except OSError as exc:  # no space, no permission: one line, and nothing left behind
+        raise GGUFError(f"{out}: cannot be written ({first_line(exc)})") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return {
