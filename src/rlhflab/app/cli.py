@@ -74,6 +74,19 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument("--seed", type=int, default=0)
     cmp_.add_argument("--out", default="runs", help="folder for runs/compare-<preset>-s<seed>/")
     cmp_.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides")
+    conv = sub.add_parser(
+        "convert-gguf",
+        help="write a GGUF file (e.g. a quantised llama.cpp model) as a plain Hugging Face "
+        "folder that both runtimes load (docs/real-models.md)",
+    )
+    conv.add_argument("gguf_file", metavar="FILE.gguf", help="the GGUF file (local)")
+    conv.add_argument("out_dir", metavar="OUT_DIR", help="the folder to write")
+    conv.add_argument(
+        "--dtype", choices=("fp32", "bf16"), default="fp32", help="of the saved weights"
+    )
+    conv.add_argument(
+        "--force", action="store_true", help="replace OUT_DIR when it exists and is not empty"
+    )
     report = sub.add_parser("report", help="write RUN_DIR/report.html (self-contained)")
     report.add_argument("run_dir", help="a PPO run directory (log.output_dir)")
     ppo = sub.add_parser("ppo", help="PPO against a reward model")
@@ -190,6 +203,14 @@ def cmd_compare(args) -> int:
     return 0
 
 
+def cmd_convert_gguf(args) -> int:
+    from rlhflab.models.gguf import convert_gguf, format_summary
+
+    summary = convert_gguf(args.gguf_file, args.out_dir, dtype=args.dtype, force=args.force)
+    print(format_summary(summary))
+    return 0
+
+
 def cmd_report(args) -> int:
     from rlhflab.app.report import build_report
 
@@ -210,6 +231,7 @@ COMMANDS = {
     "rm": cmd_rm,
     "demo": cmd_demo,
     "report": cmd_report,
+    "convert-gguf": cmd_convert_gguf,
     "grpo": cmd_grpo,
     "rloo": cmd_grpo,
     "dpo": cmd_dpo,
