@@ -93,6 +93,8 @@ def _series(rows: list[dict], *keys: str, prefix: str | None = None) -> dict:
     }
 
 
+# Long (about 100 lines) because it lays out the page section by section in reading order;
+# each section's HTML is built by the helpers below it.
 def build_report(run_dir: str | Path) -> Path:
     run = Path(run_dir)
     metrics_path = run / "metrics.jsonl"

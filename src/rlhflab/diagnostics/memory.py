@@ -180,6 +180,9 @@ def _itemsize(model) -> int:
     return next(p for p in model.parameters() if p.is_floating_point()).element_size()
 
 
+# One function on purpose (126 lines): the phases share the worst-case shapes, the random
+# ids and the critic's measured forward, and their order mirrors one iteration's steps;
+# split, each piece would need all of them passed in.
 def iteration_memory(cast, cfg) -> list[PhaseMemory]:
     """What one PPO iteration holds on top of the weights, gradients and optimiser state,
     phase by phase, at the configured worst case: every prompt ``rollout.max_prompt_tokens``
