@@ -30,7 +30,9 @@ def method_config(cfg: Config, method: str, run: Path) -> Config:
     d["log"]["output_dir"] = str(run / method)
     if method in ("grpo", "rloo"):
         d["model"]["value_model"] = "none"
-        d["ppo"].update({"kl_placement": "loss", "kl_estimator": "k3"})
+        d["ppo"].update(
+            {"kl_placement": "loss", "kl_estimator": "k3", "advantage_estimator": method}
+        )
     elif method == "dpo":
         d["model"]["value_model"] = "none"
         d["dpo"]["pairs"] = d["rm"]["pairs"]

@@ -14,6 +14,10 @@ from rlhflab.configbase import ConfigError, section, setting
 PRECISIONS = ("fp32", "bf16", "fp16", "int8")
 # KL estimators whose gradient pulls toward the reference when differentiated in the loss
 LOSS_KL_ESTIMATORS = ("k2", "k3", "k3+")
+# ppo.advantage_estimator's choices (the registry in rlhflab/advantages.py; a test keeps the
+# two equal) and those that train no critic, their baseline being the prompt's group
+ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo")
+CRITIC_FREE_ESTIMATORS = ("grpo", "rloo")
 
 
 @dataclass
@@ -253,6 +257,16 @@ class PPOConfig:
         0.2,
         "Value-loss clip in reward units (OAI19, N+, TRL 0.2; verl 0.5). None: unclipped.",
         low=0.0,
+    )
+    advantage_estimator: str = setting(
+        "gae",
+        "Steps 5–7 of the loop (rlhflab/advantages.py). 'gae': per-token KL shaping, GAE "
+        "from the critic's values, whitening (PPO). 'grpo': each answer's score against its "
+        "prompt's group of grpo.group_size answers, (s − mean)/std (DeepSeekMath; centred only "
+        "with grpo.normalize_std=false, Dr. GRPO). 'rloo': the leave-one-out mean of the group "
+        "as baseline. grpo and rloo train no critic (model.value_model=none) and sample each "
+        "prompt group_size times in a row; rlhflab grpo and rlhflab rloo set it to their name.",
+        choices=ADVANTAGE_ESTIMATORS,
     )
     gamma: float = setting(
         1.0, "Discount; 1 because the episode is one answer (OAI19).", low=0.0, high=1.0
@@ -610,11 +624,23 @@ def validate(cfg: Config, stage: str = "ppo") -> Config:
         )
     if stage in ("sft", "rm", "dpo"):
         return cfg
-    if stage == "ppo" and cfg.model.value_model == "none":
-        raise ConfigError("model.value_model: PPO needs a critic; 'none' is for rlhflab grpo/rloo")
-    if stage in ("grpo", "rloo"):
+    estimator = cfg.ppo.advantage_estimator
+    if stage in CRITIC_FREE_ESTIMATORS and estimator != stage:
+        raise ConfigError(
+            f"ppo.advantage_estimator: rlhflab {stage} runs the {stage!r} estimator, not "
+            f"{estimator!r}; run rlhflab {estimator if estimator != 'gae' else 'ppo'} instead"
+        )
+    if estimator not in CRITIC_FREE_ESTIMATORS and cfg.model.value_model == "none":
+        raise ConfigError(
+            "model.value_model: PPO needs a critic (ppo.advantage_estimator=gae); 'none' is "
+            "for the critic-free estimators grpo and rloo (rlhflab grpo/rloo)"
+        )
+    if estimator in CRITIC_FREE_ESTIMATORS:
         if cfg.model.value_model != "none":
-            raise ConfigError(f"model.value_model: {stage} trains no critic; set it to 'none'")
+            raise ConfigError(
+                f"model.value_model: ppo.advantage_estimator={estimator} trains no critic; "
+                "set it to 'none'"
+            )
         if cfg.rollout.prompts_per_iteration % cfg.grpo.group_size:
             raise ConfigError(
                 f"grpo.group_size: {cfg.grpo.group_size} does not divide "
@@ -674,6 +700,11 @@ def validate(cfg: Config, stage: str = "ppo") -> Config:
 
 
 def load_config(path=None, overrides=None, base: dict | None = None, stage="ppo") -> Config:
+    """The config of ``stage`` (a command): ``base``, then the file, then the overrides.
+    rlhflab grpo and rlhflab rloo run the estimator of their name, under ``base``."""
+    if stage in CRITIC_FREE_ESTIMATORS:
+        base = dict(base or {})
+        base["ppo"] = {"advantage_estimator": stage, **base.get("ppo", {})}
     return validate(configbase.load(Config, path, overrides, base), stage)
 
 
