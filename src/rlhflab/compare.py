@@ -56,10 +56,9 @@ def worker(method: str, config_json: str, eval_prompts: int) -> dict:
         trainer.fit()
         policy, tok, models = trainer.policy, trainer.tokenizer, 2
     else:
-        from rlhflab.trainers.grpo import GRPOTrainer
         from rlhflab.trainers.ppo import PPOTrainer
 
-        trainer = PPOTrainer(cfg) if method == "ppo" else GRPOTrainer(cfg, estimator=method)
+        trainer = PPOTrainer(cfg)  # ppo.advantage_estimator says which method
         trainer.fit()
         policy, tok, models = (
             trainer.cast.policy_lm,

@@ -4,20 +4,18 @@ No reward model and no sampling: the loss of :func:`rlhflab.losses.dpo_loss` on 
 summed log-probs of each answer. The reference's log-probs never change, so they are
 computed once, before training, and cached. Logged per step: the loss, the implicit rewards
 β·(log π − log π_ref) of chosen and rejected answers, their margin and the reward accuracy
-(share of pairs whose chosen answer has the larger implicit reward). Checkpoints and resume
-use the PPO trainer's machinery.
+(share of pairs whose chosen answer has the larger implicit reward). Checkpoints, resume and
+the run log are :class:`rlhflab.trainers.loop.RunLoop`'s, as for PPO.
 """
 
 from __future__ import annotations
 
 import logging
 import random
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-import yaml
 
 from rlhflab import algorithms as A
 from rlhflab import checkpoint as C
@@ -29,13 +27,12 @@ from rlhflab.cpu_blas import apply_cpu_matmul
 from rlhflab.data import load_preferences
 from rlhflab.distributed import resolve_device
 from rlhflab.lean import make_activations_lean
-from rlhflab.runlog import RunLog
 from rlhflab.trainers.common import (
     TrainingHalted,
     build_optimizer_simple,
     build_scheduler,
-    progress,
 )
+from rlhflab.trainers.loop import RunLoop
 from rlhflab.trainers.rm import builtin_pairs
 from rlhflab.trainers.sft import encode_pairs
 
@@ -97,6 +94,7 @@ class DPOTrainer:
         self.sched = build_scheduler(self.opt, d.warmup_steps, d.steps, "constant")
         self.gens = {"batch": torch.Generator().manual_seed(cfg.seed)}
         self.iteration = 0
+        self.stop_reason: str | None = None  # DPO runs its steps to the end
         self.run_dir = Path(cfg.log.output_dir)
         # the checkpoint code saves a "cast": the policy and no critic
         self._cast = SimpleNamespace(
@@ -159,44 +157,27 @@ class DPOTrainer:
             self.run_dir, step, self._cast, self.state_dict(), self.cfg.log.keep_last
         )
 
+    def load_checkpoint(self, path: Path) -> None:
+        self.load_state_dict(C.load_checkpoint(path, self._cast))
+
     def fit(self, resume: bool = False) -> dict:
-        cfg, resume_step = self.cfg, None
-        if resume and (ckpts := C.list_checkpoints(self.run_dir)):
-            self.load_state_dict(C.load_checkpoint(ckpts[-1], self._cast))
-            resume_step = self.iteration
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-        runlog = RunLog(self.run_dir, cfg.log.tensorboard, cfg.log.wandb, to_dict(cfg), resume_step)
-        bar = progress(
-            range(self.iteration, cfg.dpo.steps),
-            cfg.log.progress,
+        loop = RunLoop(
+            self.run_dir,
+            self.cfg.dpo.steps,
+            self.cfg.log,
+            to_dict(self.cfg),
             "DPO",
-            initial=self.iteration,
-            total=cfg.dpo.steps,
+            postfix=lambda m: {
+                "acc": f"{m['rewards/accuracy']:.2f}",
+                "margin": f"{m['rewards/margin']:.3f}",
+            },
         )
-        metrics, start = {}, time.perf_counter()
-        try:
-            for _ in bar:
-                metrics = self.step()
-                self.iteration += 1
-                runlog.metrics(self.iteration, metrics)
-                if hasattr(bar, "set_postfix"):
-                    bar.set_postfix(
-                        acc=f"{metrics['rewards/accuracy']:.2f}",
-                        margin=f"{metrics['rewards/margin']:.3f}",
-                    )
-                if (
-                    self.iteration % cfg.log.checkpoint_every == 0
-                    or self.iteration == cfg.dpo.steps
-                ):
-                    self.save(self.iteration)
-        finally:
-            runlog.close()
+        done = loop.run(self, resume)
         return {
-            "steps": self.iteration,
-            "last": metrics,
+            "steps": done.steps,
+            "last": done.last,
             "pairs": len(self.prompts),
-            "seconds": time.perf_counter() - start,
+            "seconds": done.seconds,
         }
 
 
