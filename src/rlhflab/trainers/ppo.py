@@ -1,20 +1,12 @@
-"""Online RLHF with PPO's update against a reward. One iteration reads top to bottom as
-numbered steps (:meth:`PPOTrainer.step`):
-
+"""Online RLHF with PPO's update. One iteration (:meth:`PPOTrainer.step`) reads top to bottom:
 1 generate → 2 score → 3 missing-EOS penalty → 4 score normalisation → 5 KL shaping →
 6 advantages → 7 whitening → 8 PPO epochs → 9 metrics → 10 KL controller; the run loop
-around it (:mod:`rlhflab.trainers.loop`) adds 11, the checkpoint.
-
-Steps 5–7 are the advantage estimator that ``ppo.advantage_estimator`` names
-(:mod:`rlhflab.advantages`): ``gae`` for PPO with a critic; ``grpo`` or ``rloo`` for the
-critic-free group baselines (each prompt then sampled ``grpo.group_size`` times in a row).
-The trainer holds its parts rather than inheriting them: :class:`~.ppo_epochs.PPOUpdate`
-(step 8, with the optimisers in :class:`~.update_guard.GuardedUpdate`),
-:class:`~.ppo_watch.PPOWatch` (the monitor, steps 2b and 9b) and
-:class:`~.runstate.CastCheckpoints` (checkpoint folders).
-
-Every implementation detail is a field of :class:`rlhflab.config.Config`; the maths is in
-:mod:`rlhflab.algorithms` and :mod:`rlhflab.advantages`.
+(:mod:`~.loop`) adds 11, the checkpoint. Steps 5–7 are the estimator ppo.advantage_estimator
+names (:mod:`rlhflab.advantages`): gae (PPO, a critic), or grpo / rloo (group baselines, no
+critic; each prompt grpo.group_size times in a row). The trainer holds its parts:
+:class:`~.ppo_epochs.PPOUpdate` (step 8; optimisers in :class:`~.update_guard.GuardedUpdate`),
+:class:`~.ppo_watch.PPOWatch` (the monitor) and :class:`~.runstate.CastCheckpoints`. Every
+detail is a field of :class:`rlhflab.config.Config`; the maths is in :mod:`rlhflab.algorithms`.
 """
 
 from __future__ import annotations
@@ -41,17 +33,18 @@ from rlhflab.distributed import (
 )
 from rlhflab.memory import peak_rss_bytes
 from rlhflab.rewards import RunningMoments
-from rlhflab.rollout import (
-    Rollout,
-    generate_rollout,
-    score_policy,
-    score_rollout,
-)
+from rlhflab.rollout import Rollout, generate_rollout, score_policy, score_rollout
 from rlhflab.sampling import SamplingScores
 from rlhflab.trainers.common import load_prompt_set
 from rlhflab.trainers.loop import RunLoop
 from rlhflab.trainers.ppo_epochs import EpochStats, PPOUpdate
-from rlhflab.trainers.ppo_metrics import METRICS, answer_kl, iteration_metrics, sample_rows
+from rlhflab.trainers.ppo_metrics import (
+    METRICS,
+    answer_kl,
+    iteration_metrics,
+    progress_summary,
+    sample_rows,
+)
 from rlhflab.trainers.ppo_watch import PPOWatch
 from rlhflab.trainers.runstate import CastCheckpoints, gathered_rng
 
@@ -356,11 +349,7 @@ class PPOTrainer:
             self.ctx.is_main,
             samples=self.sample_rows,
             alerts=self.watch.new_alerts,
-            postfix=lambda m: {
-                "reward": f"{m['objective/scores']:.3f}",
-                "kl": f"{m['objective/kl']:.3f}",
-                "beta": f"{m['objective/kl_coef']:.3g}",
-            },
+            postfix=progress_summary,
         )
         done = loop.run(self, resume)
         return {"iterations": done.steps, "last": done.last, "stop_reason": done.stop_reason}

@@ -122,3 +122,12 @@ def sample_rows(ro: Rollout, n: int) -> list[dict]:
             }
         )
     return rows
+
+
+def progress_summary(metrics: dict) -> dict[str, str]:
+    """What the progress bar shows after each iteration."""
+    return {
+        "reward": f"{metrics['objective/scores']:.3f}",
+        "kl": f"{metrics['objective/kl']:.3f}",
+        "beta": f"{metrics['objective/kl_coef']:.3g}",
+    }
