@@ -162,9 +162,7 @@ def test_the_estimator_is_a_config_choice_checked_against_the_critic():
         cfg = load_config(overrides=[REWARD, "model.value_model=none"], stage=stage)
         assert cfg.ppo.advantage_estimator == stage
     # on rlhflab ppo, a critic-free estimator without a critic
-    cfg = load_config(
-        overrides=[REWARD, "model.value_model=none", "ppo.advantage_estimator=rloo"]
-    )
+    cfg = load_config(overrides=[REWARD, "model.value_model=none", "ppo.advantage_estimator=rloo"])
     assert cfg.ppo.advantage_estimator == "rloo"
     bad = [
         (["ppo.advantage_estimator=grpo"], r"model\.value_model: ppo\.advantage_estimator=grpo"),
