@@ -54,14 +54,14 @@ folder = Path(vs_trl.__file__).parent / ".vs_trl" / f"models-{size}"
 vs_trl.run_rlhflab(folder, vs_trl.SIZES[size][4], int(iterations), False, "native", "torch")
 trainer = made["trainer"]
 loading = {}
-inner = trainer._load
+inner = trainer.load_checkpoint
 
 def timed_load(path):
     loading["before"] = status("VmRSS")
     inner(path)
     loading["after"] = status("VmRSS")
 
-trainer._load = timed_load
+trainer.load_checkpoint = timed_load
 trainer.fit(resume=mode == "resume")
 if loading:
     print(f"{mode} ({label}): RSS {loading['before']:.0f} -> {loading['after']:.0f} MiB "

@@ -74,6 +74,23 @@ def test_group_prompts_are_consecutive(tmp_path):
     assert all(len(set(prompts[i : i + 4])) == 1 for i in range(0, 16, 4))
 
 
+def test_the_group_estimators_are_a_config_choice_of_the_one_trainer(tmp_path):
+    import copy
+
+    from rlhflab.config import validate
+    from rlhflab.trainers.ppo import PPOTrainer
+
+    cfg = grpo_cfg(tmp_path, "model.policy=preset:nano")
+    t = GRPOTrainer(cfg, estimator="rloo")  # the old entry point: a PPOTrainer, configured
+    assert type(t) is PPOTrainer and t.estimator.name == "rloo" and t.cast.critic is None
+    assert cfg.ppo.advantage_estimator == "grpo"  # the caller's config is left as it was
+    # on `rlhflab ppo` the field alone makes it RLOO: prompts come in groups of G
+    on_ppo = copy.deepcopy(cfg)
+    on_ppo.ppo.advantage_estimator = "rloo"
+    prompts = PPOTrainer(validate(on_ppo)).next_prompts()
+    assert len(prompts) == 16 and all(len(set(prompts[i : i + 4])) == 1 for i in range(0, 16, 4))
+
+
 @pytest.mark.parametrize("runtime", ["transformers", "native"])
 def test_grpo_resume_is_bit_identical(tmp_path, runtime):
     rt = f"model.runtime={runtime}"

@@ -75,7 +75,7 @@ def test_missing_eos_penalty_applies(tmp_path):
     )
     t = PPOTrainer(cfg)
     m = t.step()
-    ro = t._last_rollout
+    ro = t.last_rollout
     assert not ro.ended.all()  # the random model rarely ends within 3 tokens
     expect = ro.scores - 0.7 * (~ro.ended).float()
     assert m["objective/scores"] == pytest.approx(expect.mean().item(), abs=1e-6)
@@ -196,7 +196,7 @@ def test_values_from_training_forward_drops_the_scoring_forward(tmp_path, in_bac
         arm=arm,
     )
     assert len(calls) == 2 * 2  # 2 iterations × 2 epochs, no scoring forward
-    assert runs[1].kept_values is None  # the kept graph does not outlive its iteration
+    assert runs[1].update.kept_values is None  # the kept graph does not outlive its iteration
     # the same values up to float rounding (a forward with autograd recording takes other
     # kernels than a no-grad one), so the same run to 1e-5
     # the critic's head starts at zero: all values are 0, and the first iteration is the same
@@ -221,9 +221,9 @@ def test_values_from_training_forward_only_when_one_forward_covers_the_rollout(t
         (["ppo.minibatches=1", "ppo.values_from_training_forward=false"], False),
     ):
         t = PPOTrainer(make_cfg(tmp_path, *overrides))
-        assert t._critic_forward_kept(8) is kept, overrides
+        assert t.update.critic_forward_kept(8) is kept, overrides
     shared = PPOTrainer(make_cfg(tmp_path, "ppo.minibatches=1", "model.value_model=shared"))
-    assert shared._critic_forward_kept(8) is False
+    assert shared.update.critic_forward_kept(8) is False
 
 
 def test_step_in_backward_refuses_what_needs_every_gradient_first(tmp_path):
@@ -432,11 +432,11 @@ def test_a_significantly_negative_kl_is_explained_once_and_a_correct_run_never_w
         rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
         assert all(r["objective/kl_k3"] >= 0 for r in rows)
         assert "standard errors below zero" not in caplog.text
-        t._check_kl_sign(torch.tensor([0.1, -0.2, 0.05, 0.0]))  # noise around zero
+        t.watch.check_kl_sign(torch.tensor([0.1, -0.2, 0.05, 0.0]))  # noise around zero
         assert "standard errors below zero" not in caplog.text
         t.cfg.rollout.top_k = 5  # a cause the warning should name
-        t._check_kl_sign(torch.tensor([-0.50, -0.45, -0.55, -0.48, -0.52, -0.47]))
+        t.watch.check_kl_sign(torch.tensor([-0.50, -0.45, -0.55, -0.48, -0.52, -0.47]))
         assert "standard errors below zero" in caplog.text and "rollout.top_k" in caplog.text
         caplog.clear()
-        t._check_kl_sign(torch.full((6,), -1.0) + torch.arange(6) * 0.01)
+        t.watch.check_kl_sign(torch.full((6,), -1.0) + torch.arange(6) * 0.01)
         assert "standard errors below zero" not in caplog.text  # once a run

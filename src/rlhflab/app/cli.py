@@ -134,10 +134,12 @@ def cmd_ppo(args) -> int:
 
 def cmd_grpo(args) -> int:
     from rlhflab.config import load_config
-    from rlhflab.trainers.grpo import GRPO_BASE, train
+    from rlhflab.trainers.grpo import GRPO_BASE
+    from rlhflab.trainers.ppo import train
 
+    # the command names the advantage estimator (ppo.advantage_estimator): one loop for all
     cfg = load_config(args.config, args.overrides, base=GRPO_BASE, stage=args.command)
-    summary = train(cfg, estimator=args.command, resume=args.resume)
+    summary = train(cfg, resume=args.resume)
     print(f"done: {summary['iterations']} iterations, output in {cfg.log.output_dir}")
     return 0
 

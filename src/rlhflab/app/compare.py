@@ -31,7 +31,9 @@ def method_config(cfg: Config, method: str, run: Path) -> Config:
     d["log"]["output_dir"] = str(run / method)
     if method in ("grpo", "rloo"):
         d["model"]["value_model"] = "none"
-        d["ppo"].update({"kl_placement": "loss", "kl_estimator": "k3"})
+        d["ppo"].update(
+            {"kl_placement": "loss", "kl_estimator": "k3", "advantage_estimator": method}
+        )
     elif method == "dpo":
         d["model"]["value_model"] = "none"
         d["dpo"]["pairs"] = d["rm"]["pairs"]
@@ -55,10 +57,9 @@ def worker(method: str, config_json: str, eval_prompts: int) -> dict:
         trainer.fit()
         policy, tok, models = trainer.policy, trainer.tokenizer, 2
     else:
-        from rlhflab.trainers.grpo import GRPOTrainer
         from rlhflab.trainers.ppo import PPOTrainer
 
-        trainer = PPOTrainer(cfg) if method == "ppo" else GRPOTrainer(cfg, estimator=method)
+        trainer = PPOTrainer(cfg)  # ppo.advantage_estimator says which method
         trainer.fit()
         policy, tok, models = (
             trainer.cast.policy_lm,

@@ -12,8 +12,21 @@ from rlhflab.config import base as configbase
 from rlhflab.config.base import ConfigError, section, setting
 from rlhflab.config.models import PRECISIONS, ModelConfig, RewardConfig
 from rlhflab.config.run import DataConfig, DistConfig, LogConfig, MonitorConfig
-from rlhflab.config.stages import DPOConfig, GRPOConfig, RMConfig, SFTConfig
-from rlhflab.config.training import LOSS_KL_ESTIMATORS, PPOConfig, RolloutConfig
+from rlhflab.config.stages import (
+    STAGE_DEFAULTS,
+    DPOConfig,
+    GRPOConfig,
+    RMConfig,
+    SFTConfig,
+    with_stage_defaults,
+)
+from rlhflab.config.training import (
+    ADVANTAGE_ESTIMATORS,
+    CRITIC_FREE_ESTIMATORS,
+    LOSS_KL_ESTIMATORS,
+    PPOConfig,
+    RolloutConfig,
+)
 
 
 @dataclass
@@ -49,11 +62,23 @@ def validate(cfg: Config, stage: str = "ppo") -> Config:
         )
     if stage in ("sft", "rm", "dpo"):
         return cfg
-    if stage == "ppo" and cfg.model.value_model == "none":
-        raise ConfigError("model.value_model: PPO needs a critic; 'none' is for rlhflab grpo/rloo")
-    if stage in ("grpo", "rloo"):
+    estimator = cfg.ppo.advantage_estimator
+    if stage in CRITIC_FREE_ESTIMATORS and estimator != stage:
+        raise ConfigError(
+            f"ppo.advantage_estimator: rlhflab {stage} runs the {stage!r} estimator, not "
+            f"{estimator!r}; run rlhflab {estimator if estimator != 'gae' else 'ppo'} instead"
+        )
+    if estimator not in CRITIC_FREE_ESTIMATORS and cfg.model.value_model == "none":
+        raise ConfigError(
+            "model.value_model: PPO needs a critic (ppo.advantage_estimator=gae); 'none' is "
+            "for the critic-free estimators grpo and rloo (rlhflab grpo/rloo)"
+        )
+    if estimator in CRITIC_FREE_ESTIMATORS:
         if cfg.model.value_model != "none":
-            raise ConfigError(f"model.value_model: {stage} trains no critic; set it to 'none'")
+            raise ConfigError(
+                f"model.value_model: ppo.advantage_estimator={estimator} trains no critic; "
+                "set it to 'none'"
+            )
         if cfg.rollout.prompts_per_iteration % cfg.grpo.group_size:
             raise ConfigError(
                 f"grpo.group_size: {cfg.grpo.group_size} does not divide "
@@ -113,12 +138,18 @@ def validate(cfg: Config, stage: str = "ppo") -> Config:
 
 
 def load_config(path=None, overrides=None, base: dict | None = None, stage="ppo") -> Config:
+    """The config of ``stage`` (a command: ppo, grpo, rloo, dpo, sft, rm): the stage's own
+    defaults (:data:`rlhflab.config.stages.STAGE_DEFAULTS`), then ``base``, then the file at
+    ``path``, then the dotted ``overrides``; each wins over the ones before it."""
+    base = with_stage_defaults(stage, base)
     return validate(configbase.load(Config, path, overrides, base), stage)
 
 
 __all__ = [
     "PRECISIONS",
     "LOSS_KL_ESTIMATORS",
+    "ADVANTAGE_ESTIMATORS",
+    "CRITIC_FREE_ESTIMATORS",
     "Config",
     "ConfigError",
     "DPOConfig",
@@ -133,6 +164,7 @@ __all__ = [
     "RewardConfig",
     "RolloutConfig",
     "SFTConfig",
+    "STAGE_DEFAULTS",
     "load_config",
     "validate",
 ]

@@ -106,3 +106,40 @@ class RMConfig:
     batch_size: int = setting(32, "Pairs per step.", low=1)
     lr: float = setting(5e-4, "Learning rate.", low=0.0, low_open=True)
     warmup_steps: int = setting(20, "Linear warm-up steps, then cosine decay.", low=0)
+
+
+# Defaults that differ by command. They lie under the caller's base, the config file and the
+# overrides (each wins over them), and over the fields' own defaults; `rlhflab config`
+# prints them. The critic-free methods put a k3 KL in the loss, as GRPO did (DeepSeekMath,
+# β = 0.04), and each command writes to its own run directory.
+CRITIC_FREE_BASE = {
+    "model": {"value_model": "none"},
+    "ppo": {"kl_placement": "loss", "kl_estimator": "k3", "kl_coef": 0.04},
+}
+STAGE_DEFAULTS: dict[str, dict] = {
+    "grpo": {
+        "model": {"value_model": "none"},
+        "ppo": {**CRITIC_FREE_BASE["ppo"], "advantage_estimator": "grpo"},
+        "log": {"output_dir": "runs/grpo"},
+    },
+    "rloo": {
+        "model": {"value_model": "none"},
+        "ppo": {**CRITIC_FREE_BASE["ppo"], "advantage_estimator": "rloo"},
+        "log": {"output_dir": "runs/rloo"},
+    },
+    "dpo": {"model": {"value_model": "none"}, "log": {"output_dir": "runs/dpo"}},
+}
+
+
+def with_stage_defaults(stage: str, base: dict | None) -> dict:
+    """``base`` laid over the defaults of ``stage`` (section by section: a base that sets
+    one field of a section keeps the stage's other fields of it)."""
+    out = {
+        k: dict(v) if isinstance(v, dict) else v for k, v in STAGE_DEFAULTS.get(stage, {}).items()
+    }
+    for key, value in (base or {}).items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = {**out[key], **value}
+        else:
+            out[key] = value
+    return out

@@ -8,6 +8,10 @@ from rlhflab.config.base import setting
 
 # KL estimators whose gradient pulls toward the reference when differentiated in the loss
 LOSS_KL_ESTIMATORS = ("k2", "k3", "k3+")
+# ppo.advantage_estimator's choices (the registry in rlhflab/core/advantages.py; a test keeps
+# the two equal) and those that train no critic, their baseline being the prompt's group
+ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo")
+CRITIC_FREE_ESTIMATORS = ("grpo", "rloo")
 
 
 @dataclass
@@ -113,6 +117,16 @@ class PPOConfig:
         0.2,
         "Value-loss clip in reward units (OAI19, N+, TRL 0.2; verl 0.5). None: unclipped.",
         low=0.0,
+    )
+    advantage_estimator: str = setting(
+        "gae",
+        "Steps 5–7 of the loop (rlhflab/core/advantages.py). 'gae': per-token KL shaping, GAE "
+        "from the critic's values, whitening (PPO). 'grpo': each answer's score against its "
+        "prompt's group of grpo.group_size answers, (s − mean)/std (DeepSeekMath; centred only "
+        "with grpo.normalize_std=false, Dr. GRPO). 'rloo': the leave-one-out mean of the group "
+        "as baseline. grpo and rloo train no critic (model.value_model=none) and sample each "
+        "prompt group_size times in a row; rlhflab grpo and rlhflab rloo set it to their name.",
+        choices=ADVANTAGE_ESTIMATORS,
     )
     gamma: float = setting(
         1.0, "Discount; 1 because the episode is one answer (OAI19).", low=0.0, high=1.0

@@ -248,7 +248,7 @@ def iteration_memory(cast, cfg) -> list[PhaseMemory]:
         )
     # ppo.values_from_training_forward: step 2 runs the critic's first training forward on
     # the whole rollout and its graph stays until the first update, which backpropagates it
-    # before the policy's forward (trainers.ppo_epochs._critic_forward_kept)
+    # before the policy's forward (trainers.ppo_epochs.PPOUpdate.critic_forward_kept)
     kept_from_scoring = (
         critic is not None and p.values_from_training_forward and p.minibatches == 1 and micro >= n
     )

@@ -4,45 +4,44 @@ No reward model and no sampling: the loss of :func:`rlhflab.core.losses.dpo_loss
 summed log-probs of each answer. The reference's log-probs never change, so they are
 computed once, before training, and cached. Logged per step: the loss, the implicit rewards
 β·(log π − log π_ref) of chosen and rejected answers, their margin and the reward accuracy
-(share of pairs whose chosen answer has the larger implicit reward). Checkpoints and resume
-use the PPO trainer's machinery.
+(share of pairs whose chosen answer has the larger implicit reward). Checkpoints, resume and
+the run log are :class:`rlhflab.trainers.loop.RunLoop`'s, as for PPO.
 """
 
 from __future__ import annotations
 
 import logging
 import random
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-import yaml
 
 from rlhflab import models as M
-from rlhflab.backends.cpu_blas import apply_cpu_matmul
-from rlhflab.backends.lean import make_activations_lean
 from rlhflab.config import Config
 from rlhflab.config.base import to_dict
+from rlhflab.config.stages import STAGE_DEFAULTS
 from rlhflab.core import algorithms as A
 from rlhflab.core import losses as L
 from rlhflab.experience.data import load_preferences
 from rlhflab.infra import checkpoint as C
 from rlhflab.infra.distributed import resolve_device
-from rlhflab.infra.runlog import RunLog
+from rlhflab.models.build import finish_models, load_model, load_tokenizer_for, to_trained
 from rlhflab.trainers.common import (
     Halt,
     build_optimizer_simple,
     build_scheduler,
-    progress,
     supervised_step,
 )
+from rlhflab.trainers.loop import RunLoop
 from rlhflab.trainers.rm import builtin_pairs
 from rlhflab.trainers.sft import encode_pairs
 
 log = logging.getLogger(__name__)
 
-DPO_BASE = {"model": {"value_model": "none"}, "log": {"output_dir": "runs/dpo"}}
+# DPO's defaults live in the config tree (config.stages.STAGE_DEFAULTS, applied by
+# load_config for stage dpo); this name stays for callers that build a config by hand.
+DPO_BASE = STAGE_DEFAULTS["dpo"]
 
 
 def answer_logprobs(model, tokenizer, prompts, answers, device, micro_batch=64):
@@ -65,22 +64,16 @@ class DPOTrainer:
         self.device = resolve_device(cfg.device)
         # a data file is read before the model is loaded: a bad row is reported in seconds
         pairs = load_preferences(d.data) if d.data else None
-        path = M.resolve_path(cfg.model.policy, "model.policy")
-        self.tokenizer = M.load_tokenizer(
-            path, cfg.model.trust_remote_code, runtime=cfg.model.runtime
-        )
-        lm = M.load_causal_lm(
-            path, self.tokenizer, cfg.model.trust_remote_code, torch.float32, cfg.model.runtime
-        )
-        if cfg.model.lean_activations:
-            make_activations_lean(lm)
-        if cfg.model.lora_r:
-            lm = M.apply_lora(lm, cfg.model.lora_r, cfg.model.lora_alpha, cfg.model.lora_targets)
-        self.policy = M.require_fp32_trainable(lm.to(self.device).train(), "the DPO policy")
+        mc = cfg.model
+        self.tokenizer = load_tokenizer_for(mc.policy, mc)
+        lm = load_model(mc.policy, self.tokenizer, mc)
+        if mc.lora_r:
+            lm = M.apply_lora(lm, mc.lora_r, mc.lora_alpha, mc.lora_targets)
         self.reference = M.make_reference(
-            lm, cfg.model.reference_precision, cfg.model.offload_frozen, self.device
+            lm, mc.reference_precision, mc.offload_frozen, self.device
         )
-        apply_cpu_matmul(cfg.model.cpu_matmul, self.device, (lm, self.reference))
+        finish_models(mc, self.device, trained=(lm,), frozen=(self.reference,))
+        self.policy = to_trained(lm, self.device, "the DPO policy")
         if pairs is None:
             pairs = builtin_pairs(_with_pairs(cfg, d.pairs))
         self.prompts = [p.prompt for p in pairs]
@@ -98,8 +91,9 @@ class DPOTrainer:
         self.sched = build_scheduler(self.opt, d.warmup_steps, d.steps, "constant")
         self.gens = {"batch": torch.Generator().manual_seed(cfg.seed)}
         self.iteration = 0
+        self.stop_reason: str | None = None  # DPO runs its steps to the end
+        self.halt = Halt("DPO", "dpo.lr", self._keep_last_good)
         self.run_dir = Path(cfg.log.output_dir)
-        self.halt = Halt("DPO", "dpo.lr", self._last_checkpoint)
         # the checkpoint code saves a "cast": the policy and no critic
         self._cast = SimpleNamespace(
             policy=self.policy, policy_lm=self.policy, critic=None, tokenizer=self.tokenizer
@@ -125,9 +119,8 @@ class DPOTrainer:
             d.loss_type,
             d.label_smoothing,
         )
-        loss = losses.mean()
         value = supervised_step(
-            self.policy, self.opt, self.sched, loss, self.iteration + 1, self.halt
+            self.policy, self.opt, self.sched, losses.mean(), self.iteration + 1, self.halt
         )
         return {
             "loss": value,
@@ -152,55 +145,37 @@ class DPOTrainer:
         self.sched.load_state_dict(s["sched"])
         C.restore_rng(s["rng"], self.gens)
 
-    def _last_checkpoint(self) -> str:
-        ckpts = C.list_checkpoints(self.run_dir)
-        if not ckpts:
-            return "No checkpoint was written yet (log.checkpoint_every)."
-        return f"The last complete checkpoint is {ckpts[-1]}."
-
     def save(self, step: int) -> Path:
         return C.save_checkpoint(
             self.run_dir, step, self._cast, self.state_dict(), self.cfg.log.keep_last
         )
 
+    def _keep_last_good(self) -> str:
+        """At a halt the weights and optimiser are still the last good ones (the bad update
+        was refused before any weight changed): checkpoint them."""
+        return f"The last good state is checkpoint {self.save(self.iteration)}."
+
+    def load_checkpoint(self, path: Path) -> None:
+        self.load_state_dict(C.load_checkpoint(path, self._cast))
+
     def fit(self, resume: bool = False) -> dict:
-        cfg, resume_step = self.cfg, None
-        if resume and (last := C.latest_checkpoint(self.run_dir, set_aside=True)):
-            self.load_state_dict(C.load_checkpoint(last, self._cast))
-            resume_step = self.iteration
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-        runlog = RunLog(self.run_dir, cfg.log.tensorboard, cfg.log.wandb, to_dict(cfg), resume_step)
-        bar = progress(
-            range(self.iteration, cfg.dpo.steps),
-            cfg.log.progress,
+        loop = RunLoop(
+            self.run_dir,
+            self.cfg.dpo.steps,
+            self.cfg.log,
+            to_dict(self.cfg),
             "DPO",
-            initial=self.iteration,
-            total=cfg.dpo.steps,
+            postfix=lambda m: {
+                "acc": f"{m['rewards/accuracy']:.2f}",
+                "margin": f"{m['rewards/margin']:.3f}",
+            },
         )
-        metrics, start = {}, time.perf_counter()
-        try:
-            for _ in bar:
-                metrics = self.step()
-                self.iteration += 1
-                runlog.metrics(self.iteration, metrics)
-                if hasattr(bar, "set_postfix"):
-                    bar.set_postfix(
-                        acc=f"{metrics['rewards/accuracy']:.2f}",
-                        margin=f"{metrics['rewards/margin']:.3f}",
-                    )
-                if (
-                    self.iteration % cfg.log.checkpoint_every == 0
-                    or self.iteration == cfg.dpo.steps
-                ):
-                    self.save(self.iteration)
-        finally:
-            runlog.close()
+        done = loop.run(self, resume)
         return {
-            "steps": self.iteration,
-            "last": metrics,
+            "steps": done.steps,
+            "last": done.last,
             "pairs": len(self.prompts),
-            "seconds": time.perf_counter() - start,
+            "seconds": done.seconds,
         }
 
 

@@ -1,12 +1,12 @@
-"""Online PPO against a reward model. One iteration reads top to bottom as numbered steps:
-
-1 generate → 2 score → 3 missing-EOS penalty → 4 score normalisation → 5 per-token KL
-shaping → 6 GAE → 7 advantage whitening → 8 PPO epochs → 9 metrics → 10 KL controller →
-11 checkpoint. Step 8, the epochs and the guarded update, is in
-:mod:`rlhflab.trainers.ppo_epochs`; checkpoints and resume in :mod:`~.runstate`.
-
-Every implementation detail is a field of :class:`rlhflab.config.Config`; the maths is in
-:mod:`rlhflab.core.algorithms`; devices, logs and checkpoints sit behind the helpers below.
+"""Online RLHF with PPO's update. One iteration (:meth:`PPOTrainer.step`) reads top to bottom:
+1 generate → 2 score → 3 missing-EOS penalty → 4 score normalisation → 5 KL shaping →
+6 advantages → 7 whitening → 8 PPO epochs → 9 metrics → 10 KL controller; the run loop
+(:mod:`~.loop`) adds 11, the checkpoint. Steps 5–7 are the estimator ppo.advantage_estimator
+names (:mod:`rlhflab.core.advantages`): gae (PPO, a critic), or grpo / rloo (group baselines, no
+critic; each prompt grpo.group_size times in a row). The trainer holds its parts:
+:class:`~.ppo_epochs.PPOUpdate` (step 8; optimisers in :class:`~.update_guard.GuardedUpdate`),
+:class:`~.ppo_watch.PPOWatch` (the monitor) and :class:`~.runstate.CastCheckpoints`. Every
+detail is a field of :class:`rlhflab.config.Config`; the maths is in :mod:`rlhflab.core.algorithms`.
 """
 
 from __future__ import annotations
@@ -18,18 +18,15 @@ from pathlib import Path
 import torch
 
 from rlhflab.config import Config, ConfigError
+from rlhflab.config.base import to_dict
+from rlhflab.core import advantages as ADV
 from rlhflab.core import algorithms as A
 from rlhflab.diagnostics.memory import peak_rss_bytes
-from rlhflab.diagnostics.monitor import HackingMonitor
 from rlhflab.experience.cast import ModelCast, build_cast, load_policy_tokenizer
-from rlhflab.experience.rewards import FunctionReward, RunningMoments
-from rlhflab.experience.rollout import (
-    Rollout,
-    generate_rollout,
-    score_policy,
-    score_rollout,
-)
+from rlhflab.experience.rewards import RunningMoments
+from rlhflab.experience.rollout import Rollout, generate_rollout, score_policy, score_rollout
 from rlhflab.experience.sampling import SamplingScores
+from rlhflab.infra import checkpoint as C
 from rlhflab.infra.distributed import (
     global_batch_moments,
     global_moments,
@@ -38,99 +35,52 @@ from rlhflab.infra.distributed import (
     shard,
     wrap_trained,
 )
-from rlhflab.trainers.common import (
-    build_optimizer,
-    build_scheduler,
-    load_prompt_set,
+from rlhflab.trainers.common import load_prompt_set
+from rlhflab.trainers.loop import RunLoop
+from rlhflab.trainers.ppo_epochs import EpochStats, PPOUpdate
+from rlhflab.trainers.ppo_metrics import (
+    METRICS,
+    answer_kl,
+    iteration_metrics,
+    progress_summary,
+    sample_rows,
 )
-from rlhflab.trainers.ppo_epochs import PPOEpochs
 from rlhflab.trainers.ppo_watch import PPOWatch
-from rlhflab.trainers.runstate import CheckpointedRun
+from rlhflab.trainers.runstate import CastCheckpoints, gathered_rng
 
-METRICS = {
-    "objective/scores": "mean combined score after the missing-EOS penalty, before normalisation",
-    "objective/scores/<name>": "mean of each reward component (each head, each function)",
-    "objective/kl": "KL to the reference: batch mean of Σ_t (logp_old − logp_ref) (k1, nats "
-    "per answer; OAI19)",
-    "objective/kl_k3": "the same KL with the k3 estimator, never negative (a negative "
-    "objective/kl beside it: the answers were not sampled by π; a warning says so)",
-    "objective/kl_coef": "β used this iteration",
-    "objective/non_score_reward": "batch mean of Σ_t −β·kl_t (the KL part of the RLHF reward)",
-    "objective/rlhf_reward": "objective/scores + objective/non_score_reward",
-    "objective/entropy": "batch mean of Σ_t −logp_old (sampled entropy per answer)",
-    "policy/entropy": "token mean of the full-distribution entropy H_t at the sampling τ",
-    "policy/approx_kl": "KL(π_old‖π) k3 estimate, mean over PPO minibatches",
-    "policy/clipfrac": "fraction of tokens where the clipped surrogate binds, mean over minibatches",
-    "policy/ratio_mean": "mean ρ over minibatches (should stay ≈ 1)",
-    "policy/ratio_max": "largest ρ seen in the iteration",
-    "policy/loss": "policy loss, mean over minibatches",
-    "policy/grad_norm": "policy gradient norm before its own clip (a shared value head in it)",
-    "val/loss": "value loss, mean over minibatches",
-    "val/clipfrac": "fraction of tokens where the value clip binds (|V − V_old| > "
-    "ppo.value_clip) and the clipped error is the larger",
-    "val/explained_variance": "1 − Var(R − V_old)/Var(R) over response tokens",
-    "val/grad_norm": "a separate critic's gradient norm before its own clip",
-    "response/length_mean": "mean answer length in tokens (EOS included)",
-    "response/length_max": "longest answer in tokens",
-    "response/eos_rate": "fraction of answers that ended with EOS",
-    "response/count": "answers generated this iteration, all ranks",
-    "response/tokens": "answer tokens generated this iteration, all ranks (the compute budget)",
-    "time/generate": "seconds sampling",
-    "time/score": "seconds scoring",
-    "time/train": "seconds in the PPO epochs",
-    "time/monitor_probe": "seconds in the monitor's flattery-opener probe (0 when it is off)",
-    "throughput/tokens_per_sec": "generated answer tokens per second of sampling",
-    "memory/peak_mib": "peak resident memory (CPU) or peak allocated (CUDA), MiB",
-    "faults/skipped_updates": "updates skipped so far for a non-finite reward, loss or gradient",
-    "lr/policy": "policy learning rate after this iteration",
-}
+__all__ = ["METRICS", "PPOTrainer", "train"]  # METRICS: where docs/ppo.md points
 
 
-class PPOTrainer(PPOEpochs, PPOWatch, CheckpointedRun):
+class PPOTrainer:
+    """PPO-family RLHF on one loop: the advantage estimator is a config choice."""
+
     def __init__(self, cfg: Config, cast: ModelCast | None = None):
         self.cfg = cfg
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
+        self.estimator = ADV.get(cfg.ppo.advantage_estimator)  # steps 5–7
+        # answers that must stay on one rank together: a group's baseline is computed from
+        # the answers one rank holds (1: PPO's answers are independent)
+        self.group_size = cfg.grpo.group_size if self.estimator.grouped else 1
         self.ctx = init_distributed(cfg.device)
         # checked before any model loads: ppo.minibatches steps per epoch on every rank
         r, p = cfg.rollout, cfg.ppo
         args = (r.prompts_per_iteration, self.ctx.world, p.minibatches, p.micro_batch_size)
-        self.minibatch_size = rank_split(*args, self._group_size())
+        self.minibatch_size = rank_split(*args, self.group_size)
         # the prompts first, with the policy's tokenizer alone: a bad data file is reported
         # in seconds, not after four models have been loaded
         tokenizer = cast.tokenizer if cast is not None else load_policy_tokenizer(cfg)
         self.stream = load_prompt_set(cfg, tokenizer)
+        self.stream.batch_size = r.prompts_per_iteration // self.group_size  # distinct prompts
         device = self.ctx.device if self.ctx.enabled else None
         self.cast = cast or build_cast(cfg, device, tokenizer)
         self.device = self.cast.device
-        self._setup_parallel()
-        total_steps = p.iterations * p.epochs * p.minibatches
-        groups = [
-            {
-                "params": [
-                    q
-                    for n, q in self.cast.policy.named_parameters()
-                    if q.requires_grad and not n.startswith("value_head")
-                ],
-                "lr": p.lr,
-            }
-        ]
-        if self.cast.shared:
-            groups.append(
-                {"params": list(self.cast.policy.value_head.parameters()), "lr": p.critic_lr}
-            )
-        self.opt = build_optimizer(groups, p)
-        self.sched = build_scheduler(self.opt, p.warmup_steps, total_steps, p.lr_schedule)
-        self.critic_opt = self.critic_sched = None
-        if self.cast.critic is not None:
-            self.critic_opt = build_optimizer(
-                [{"params": list(self.cast.critic.parameters()), "lr": p.critic_lr}], p
-            )
-            self.critic_sched = build_scheduler(
-                self.critic_opt, p.warmup_steps, total_steps, p.lr_schedule
-            )
+        self.fsdp = self.ctx.enabled and cfg.dist.strategy == "fsdp"
+        self.train_policy, self.train_critic = self._wrap_for_parallel()
+        # under FSDP every rank must run the same number of forward passes while sampling
+        self.all_done = self.ctx.all_true if self.fsdp else None
         self.kl_ctl = (
             A.AdaptiveKLController(p.kl_coef, p.kl_target, p.kl_horizon)
             if p.kl_target
@@ -142,28 +92,36 @@ class PPOTrainer(PPOEpochs, PPOWatch, CheckpointedRun):
                 cfg.seed + 1000 * self.ctx.rank
             ),
             "shuffle": torch.Generator().manual_seed(cfg.seed + 1),
-            # the monitor's reference samples draw from their own stream, so switching the
-            # monitor on or off never changes what the policy samples
             "monitor": torch.Generator(device=self.device).manual_seed(cfg.seed + 2),
         }
-        self.monitor = None
-        if cfg.monitor.enabled:
-            gold = FunctionReward(cfg.monitor.gold) if cfg.monitor.gold else None
-            self.monitor = HackingMonitor(cfg.monitor, gold, p.kl_target)
-        self.moments = RunningMoments()
-        self.skipped_total = self.consecutive_bad = 0
         self.iteration = 0
         self.run_dir = Path(cfg.log.output_dir)
-        self.first_minibatch: dict[str, float] | None = None
-        self.reuse_filled: torch.Tensor | None = None  # step 8 filling old log-probs
-        self.kept_values: torch.Tensor | None = None  # step 2's critic graph, for step 8
-        self.in_backward = None  # step 8's UpdateInBackward under ppo.step_in_backward
+        self.checkpoints = CastCheckpoints(cfg, self.ctx, self.cast, self.run_dir, self.fsdp)
+        trained, shuffle = (self.train_policy, self.train_critic), self.gens["shuffle"]
+        self.update = PPOUpdate(  # step 8; owns the optimisers
+            cfg, self.ctx, self.cast, *trained, self.minibatch_size, shuffle, self.save
+        )
+        self.watch = PPOWatch(  # steps 2b and 9b, and the KL-sign check
+            cfg, self.ctx, self.cast, self.kl_ctl, self.gens["monitor"], self.all_done
+        )
+        self.moments = RunningMoments()  # reward.normalize=running
+        moments = self._moments if self.ctx.enabled else None  # whitening over every rank
+        self.adv_settings = ADV.settings_from_config(cfg, moments)
         self.callbacks: list = []  # called as cb(trainer, rollout, metrics) after step 9
-        self.stop_reason: str | None = None
+        self.last_rollout: Rollout | None = None
         self._check_batch()
 
-    def _setup_parallel(self) -> None:
-        """Wrap (DDP) or shard (FSDP2) the trained models before their optimisers exist."""
+    # read-only views of the parts, for callers and tests
+    opt = property(lambda self: self.update.guard.opt)
+    critic_opt = property(lambda self: self.update.guard.critic_opt)
+    skipped_total = property(lambda self: self.update.guard.skipped_total)
+    first_minibatch = property(lambda self: self.update.first_minibatch)
+    monitor = property(lambda self: self.watch.monitor)
+    stop_reason = property(lambda self: self.watch.stop_reason)
+
+    def _wrap_for_parallel(self):
+        """Wrap (DDP) or shard (FSDP2) the trained models before their optimisers exist;
+        returns (policy, critic or None) as the training forward calls them."""
         cfg, ctx, cast = self.cfg, self.ctx, self.cast
         strategy = cfg.dist.strategy
         if ctx.enabled and cfg.ppo.step_in_backward:
@@ -171,45 +129,21 @@ class PPOTrainer(PPOEpochs, PPOWatch, CheckpointedRun):
                 "ppo.step_in_backward: with several processes the gradients are averaged "
                 "across ranks after the backward; updating during it is single-process only"
             )
-        if (
-            ctx.enabled
-            and strategy == "fsdp"
-            and cast.shared
-            and cfg.rollout.logprobs_from_sampling
-        ):
+        if self.fsdp and cast.shared and cfg.rollout.logprobs_from_sampling:
             raise ConfigError(
                 "rollout.logprobs_from_sampling: with a shared backbone under fsdp the value "
                 "head's weights are sharded outside the sampling pass; use ddp, a separate "
                 "critic, or turn it off"
             )
-        if ctx.enabled and strategy == "fsdp" and cfg.model.lora_r:
+        if self.fsdp and cfg.model.lora_r:
             raise ConfigError("dist.strategy: LoRA with fsdp is not supported; use ddp")
-        self.fsdp = ctx.enabled and strategy == "fsdp"
-        self.train_policy = wrap_trained(cast.policy, ctx, strategy, cfg.dist.mixed_precision)
-        self.train_critic = None
+        policy = wrap_trained(cast.policy, ctx, strategy, cfg.dist.mixed_precision)
+        critic = None
         if cast.critic_values is not None:
-            self.train_critic = wrap_trained(
-                cast.critic_values, ctx, strategy, cfg.dist.mixed_precision
-            )
+            critic = wrap_trained(cast.critic_values, ctx, strategy, cfg.dist.mixed_precision)
         if self.fsdp and cfg.dist.shard_reference and isinstance(cast.reference, torch.nn.Module):
             shard(cast.reference)
-        # under FSDP every rank must run the same number of forward passes while sampling
-        self.all_done = ctx.all_true if self.fsdp else None
-
-    def _group_size(self) -> int:
-        """Answers that must stay on one rank together (1: PPO's answers are independent)."""
-        return 1
-
-    def _local_share(self, prompts: list[str]) -> list[str]:
-        """This rank's contiguous slice of the global batch (whole groups for GRPO/RLOO)."""
-        if not self.ctx.enabled:
-            return prompts
-        b = len(prompts) // self.ctx.world
-        return prompts[self.ctx.rank * b : (self.ctx.rank + 1) * b]
-
-    def _moments(self, x: torch.Tensor, mask: torch.Tensor):
-        """Whitening statistics over every rank's data (None: local, single process)."""
-        return global_moments(x, mask, self.ctx) if self.ctx.enabled else None
+        return policy, critic
 
     def _check_batch(self) -> None:
         r = self.cfg.rollout
@@ -225,18 +159,77 @@ class PPOTrainer(PPOEpochs, PPOWatch, CheckpointedRun):
     # ------------------------------------------------------------------ one iteration
 
     def step(self) -> dict[str, float]:
-        cfg, p, r = self.cfg, self.cfg.ppo, self.cfg.rollout
-        cast = self.cast
+        """One iteration, steps 1–10; returns its metrics, averaged over every rank."""
         prompts = self._local_share(self.next_prompts())
-
+        reuse = self._reuse_training_forward()  # old log-probs then come from step 8
+        times: dict[str, float] = {}
         # 1. generate (with rollout.logprobs_from_sampling, also the old log-probs)
         t0 = time.perf_counter()
-        cast.policy.eval()
-        reuse = self._reuse_training_forward()  # old log-probs then come from step 8
-        scores = self._sampling_scores(reuse)
-        rollout = generate_rollout(
-            cast.policy_lm,
-            cast.tokenizer,
+        rollout = self._generate(prompts, reuse)
+        times["time/generate"] = time.perf_counter() - t0
+        # 2. score: old and reference log-probs, values, reward
+        t0 = time.perf_counter()
+        self._score(rollout, reuse)
+        times["time/score"] = time.perf_counter() - t0
+        # 2b. the monitor's flattery probe, on the weights that sampled this rollout
+        t0 = time.perf_counter()
+        openers = self.watch.opener_probe(rollout)
+        times["time/monitor_probe"] = time.perf_counter() - t0
+
+        # 3. missing-EOS penalty
+        raw_scores = self._penalise_missing_eos(rollout)
+        # 4. score normalisation (optional) and clipping
+        scores = self._normalise(raw_scores)
+
+        # 5.–7. KL shaping, advantages, whitening: the configured estimator. With the KL
+        # in the loss it takes no part in them (zeros stand in for it until step 8 has the
+        # old log-probs)
+        beta = self.kl_ctl.value
+        kl = torch.zeros_like(rollout.ref_logprobs) if reuse else self._token_kl(rollout)
+        values = rollout.values if self.estimator.needs_critic else None
+        adv = self.estimator.fn(scores, kl, rollout.response_mask, values, beta, self.adv_settings)
+
+        # 8. PPO epochs (skipped entirely when the reward is not finite)
+        t0 = time.perf_counter()
+        train = self.update.run(
+            rollout, adv.advantages, adv.returns, beta, raw_scores, self.iteration
+        )
+        if reuse:
+            self._score_unfilled_old_logprobs(rollout)
+            kl = self._token_kl(rollout)
+        times["time/train"] = time.perf_counter() - t0
+
+        # 9. metrics, the same on every rank, then the monitor's reaction to them (9b)
+        metrics = self._metrics(rollout, raw_scores, kl, beta, train, adv.metrics, times)
+        metrics = self.ctx.mean_metrics(metrics)  # every rank logs and decides on global means
+        metrics.update(self.watch.react(rollout, metrics, openers, self.iteration))
+        for cb in self.callbacks:
+            cb(self, rollout, metrics)
+
+        # 10. KL controller, on the global per-answer KL (the controller's unit)
+        self.kl_ctl.update(metrics["objective/kl"], len(rollout) * self.ctx.world)
+        self.last_rollout = rollout
+        return metrics
+
+    def next_prompts(self) -> list[str]:
+        """The global batch's prompts; a grouped estimator's each G times in a row (groups
+        are consecutive, as the group advantages expect)."""
+        return [q for q in self.stream.next_batch() for _ in range(self.group_size)]
+
+    def _local_share(self, prompts: list[str]) -> list[str]:
+        """This rank's contiguous slice of the global batch (whole groups for GRPO/RLOO)."""
+        if not self.ctx.enabled:
+            return prompts
+        b = len(prompts) // self.ctx.world
+        return prompts[self.ctx.rank * b : (self.ctx.rank + 1) * b]
+
+    def _generate(self, prompts: list[str], reuse: bool) -> Rollout:
+        """Step 1: sample an answer to each prompt with the current policy."""
+        r = self.cfg.rollout
+        self.cast.policy.eval()
+        return generate_rollout(
+            self.cast.policy_lm,
+            self.cast.tokenizer,
             prompts,
             r.max_new_tokens,
             r.temperature,
@@ -246,111 +239,61 @@ class PPOTrainer(PPOEpochs, PPOWatch, CheckpointedRun):
             self.device,
             all_done=self.all_done,
             ignore_eos=r.ignore_eos,
-            scores=scores,
+            scores=self._sampling_scores(reuse),
         )
-        t_gen = time.perf_counter() - t0
 
-        # 2. score: old and reference log-probs, values, reward (a separate critic's values
-        # may come from its first training forward, run here and kept for step 8)
-        t0 = time.perf_counter()
+    def _score(self, rollout: Rollout, reuse: bool) -> None:
+        """Step 2: fill the old and reference log-probs, the values and the reward (a separate
+        critic's values may come from its first training forward, run here and kept for
+        step 8)."""
+        r = self.cfg.rollout
         policy_forward = not reuse and rollout.old_logprobs is None
-        critic_now = self._critic_forward_kept(len(rollout))
+        critic_now = self.update.critic_forward_kept(len(rollout))
         score_rollout(
-            cast, rollout, r.temperature, r.score_micro_batch, policy_forward, not critic_now
+            self.cast, rollout, r.temperature, r.score_micro_batch, policy_forward, not critic_now
         )
         if critic_now:
-            self._keep_critic_forward(rollout)
-        t_score = time.perf_counter() - t0
-        mask = rollout.response_mask
-        # 2b. the monitor's flattery probe, on the weights that sampled this rollout
-        t0 = time.perf_counter()
-        openers = self._opener_probe(rollout)
-        t_probe = time.perf_counter() - t0
+            self.update.keep_critic_forward(rollout)
 
-        # 3. missing-EOS penalty
+    def _penalise_missing_eos(self, rollout: Rollout) -> torch.Tensor:
+        """Step 3: the scores (B,), less reward.missing_eos_penalty where no EOS ended the
+        answer."""
         scores = rollout.scores.clone()
-        if cfg.reward.missing_eos_penalty is not None:
-            scores = torch.where(rollout.ended, scores, scores - cfg.reward.missing_eos_penalty)
-        raw_scores = scores
+        penalty = self.cfg.reward.missing_eos_penalty
+        if penalty is not None:
+            scores = torch.where(rollout.ended, scores, scores - penalty)
+        return scores
 
-        # 4. score normalisation (optional) and clipping
-        scores = self._normalise(scores)
+    def _normalise(self, scores: torch.Tensor) -> torch.Tensor:
+        """Step 4: reward.normalize (batch or running, over every rank), then reward.clip."""
+        mode, clip = self.cfg.reward.normalize, self.cfg.reward.clip
+        if mode == "batch":
+            every = torch.ones_like(scores, dtype=torch.bool)
+            scores = A.masked_whiten(scores, every, moments=self._moments(scores, every))
+        elif mode == "running":
+            # moments over every rank's scores: each rank scales by the same number
+            finite = scores[torch.isfinite(scores)]
+            self.moments.merge(*global_batch_moments(finite, self.ctx))
+            scores = A.scale_by_running_std(scores, self.moments.var)
+        if clip is not None:
+            scores = scores.clamp(-clip, clip)
+        return scores
 
-        # 5.–7. KL shaping, advantages (GAE for PPO; group baselines for GRPO/RLOO), whitening
-        beta = self.kl_ctl.value
-        # with the KL in the loss it takes no part in the advantages (zeros stand in for it
-        # until step 8 has the old log-probs)
-        kl = torch.zeros_like(rollout.ref_logprobs) if reuse else self._token_kl(rollout)
-        in_reward = p.kl_placement == "reward"
-        advantages, returns, adv_stats = self.advantages(rollout, scores, kl, beta)
-
-        # 8. PPO epochs (skipped entirely when the reward is not finite)
-        t0 = time.perf_counter()
-        if self.ctx.all_true(bool(torch.isfinite(raw_scores).all())):
-            train_stats = self._ppo_epochs(rollout, advantages, returns, beta)
-        else:
-            train_stats = {}
-            self._bad_update("reward", int((~torch.isfinite(raw_scores)).sum()))
-        self.kept_values = None  # the kept critic graph, used or not, is released here
-        if reuse:
-            if rollout.old_logprobs is None or not self.reuse_filled.all():
-                # an update skipped for a non-finite value: score the way step 2 would have
-                score_policy(cast.policy, rollout, r.temperature, r.score_micro_batch)
-            kl = self._token_kl(rollout)
-        t_train = time.perf_counter() - t0
-
-        # 9. metrics
-        k1 = torch.where(mask.bool(), rollout.old_logprobs - rollout.ref_logprobs, 0.0)
-        seq_kl = k1.sum(1)
-        self._check_kl_sign(seq_kl)
-        k3 = A.kl_estimate(rollout.old_logprobs, rollout.ref_logprobs, "k3")
-        non_score = (-beta * kl).sum(1) if in_reward else torch.zeros_like(seq_kl)
-        lengths = mask.sum(1).float()
-        metrics = {
-            "objective/scores": raw_scores.mean().item(),
-            **{f"objective/scores/{k}": v.mean().item() for k, v in rollout.components.items()},
-            "objective/kl": seq_kl.mean().item(),
-            "objective/kl_k3": torch.where(mask.bool(), k3, 0.0).sum(1).mean().item(),
-            "objective/kl_coef": beta,
-            "objective/non_score_reward": non_score.mean().item(),
-            "objective/rlhf_reward": (raw_scores + non_score).mean().item(),
-            "objective/entropy": torch.where(mask.bool(), -rollout.old_logprobs, 0.0)
-            .sum(1)
-            .mean()
-            .item(),
-            "policy/entropy": A.masked_mean(rollout.entropy, mask).item(),
-            **train_stats,
-            **adv_stats,
-            "response/length_mean": lengths.mean().item(),
-            "response/length_max": lengths.max().item(),
-            "response/eos_rate": rollout.ended.float().mean().item(),
-            # rank-mean × world = global total once mean_metrics has averaged over ranks
-            "response/count": float(len(rollout) * self.ctx.world),
-            "response/tokens": lengths.sum().item() * self.ctx.world,
-            "time/generate": t_gen,
-            "time/score": t_score,
-            "time/train": t_train,
-            "time/monitor_probe": t_probe,
-            "throughput/tokens_per_sec": lengths.sum().item() / max(t_gen, 1e-9),
-            "memory/peak_mib": self._peak_memory() / 2**20,
-            "faults/skipped_updates": self.skipped_total,
-            "lr/policy": self.opt.param_groups[0]["lr"],
-        }
-        metrics = self.ctx.mean_metrics(metrics)  # every rank logs and decides on global means
-        if self.monitor is not None:
-            metrics.update(self._watch(rollout, metrics, openers))
-        for cb in self.callbacks:
-            cb(self, rollout, metrics)
-
-        # 10. KL controller, on the global per-answer KL (the controller's unit)
-        self.kl_ctl.update(metrics["objective/kl"], len(rollout) * self.ctx.world)
-        self._last_rollout = rollout
-        return metrics
+    def _moments(self, x: torch.Tensor, mask: torch.Tensor):
+        """Whitening statistics over every rank's data (None: local, single process)."""
+        return global_moments(x, mask, self.ctx) if self.ctx.enabled else None
 
     def _token_kl(self, rollout: Rollout) -> torch.Tensor:
         """Per-token KL estimate (B, T) of the old policy to the reference, 0 on padding."""
         kl = A.kl_estimate(rollout.old_logprobs, rollout.ref_logprobs, self.cfg.ppo.kl_estimator)
         return torch.where(rollout.response_mask.bool(), kl, torch.zeros_like(kl))
+
+    def _score_unfilled_old_logprobs(self, rollout: Rollout) -> None:
+        """After step 8 under ppo.reuse_training_forward: an update skipped for a non-finite
+        value left old log-probs unset; score them the way step 2 would have."""
+        r = self.cfg.rollout
+        if rollout.old_logprobs is None or not self.update.reuse_filled.all():
+            score_policy(self.cast.policy, rollout, r.temperature, r.score_micro_batch)
 
     def _reuse_training_forward(self) -> bool:
         """Whether step 8's forward can supply the old log-probs (ppo.reuse_training_forward):
@@ -373,42 +316,86 @@ class PPOTrainer(PPOEpochs, PPOWatch, CheckpointedRun):
             return SamplingScores(self.cast.policy_lm, self.cast.policy.value_head)
         return SamplingScores()
 
-    def next_prompts(self) -> list[str]:
-        return self.stream.next_batch()
-
-    def advantages(self, rollout: Rollout, scores, kl, beta):
-        """Steps 5–7 of PPO: per-token KL shaping r_t = −β·kl_t + score·[t = last], optional
-        reward whitening, GAE (returns from unwhitened advantages), advantage whitening.
-        Returns (advantages (B, T), returns (B, T), extra metrics)."""
-        p, mask = self.cfg.ppo, rollout.response_mask
-        rewards = A.shape_rewards(scores, kl, mask, beta if p.kl_placement == "reward" else 0.0)
-        if p.whiten_rewards:
-            rewards = A.masked_whiten(
-                rewards, mask, shift_mean=False, moments=self._moments(rewards, mask)
-            )
-        advantages, returns = A.compute_gae(rewards, rollout.values, mask, p.gamma, p.lam)
-        if p.whiten_advantages:
-            advantages = A.masked_whiten(advantages, mask, moments=self._moments(advantages, mask))
-        return advantages, returns, {}
-
-    def _normalise(self, scores: torch.Tensor) -> torch.Tensor:
-        mode, clip = self.cfg.reward.normalize, self.cfg.reward.clip
-        if mode == "batch":
-            every = torch.ones_like(scores, dtype=torch.bool)
-            scores = A.masked_whiten(scores, every, moments=self._moments(scores, every))
-        elif mode == "running":
-            # moments over every rank's scores: each rank scales by the same number
-            finite = scores[torch.isfinite(scores)]
-            self.moments.merge(*global_batch_moments(finite, self.ctx))
-            scores = A.scale_by_running_std(scores, self.moments.var)
-        if clip is not None:
-            scores = scores.clamp(-clip, clip)
-        return scores
+    def _metrics(self, ro: Rollout, raw_scores, kl, beta, train: EpochStats, adv, times):
+        """Step 9: this rank's metrics (METRICS names them); checks the KL's sign first."""
+        seq_kl = answer_kl(ro)
+        self.watch.check_kl_sign(seq_kl)
+        run = {
+            "memory/peak_mib": self._peak_memory() / 2**20,
+            "faults/skipped_updates": self.skipped_total,
+            "lr/policy": self.opt.param_groups[0]["lr"],
+        }
+        in_reward, world = self.cfg.ppo.kl_placement == "reward", self.ctx.world
+        return iteration_metrics(
+            ro, raw_scores, seq_kl, kl, beta, in_reward, world, train.metrics, adv, times, run
+        )
 
     def _peak_memory(self) -> int:
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device)
         return peak_rss_bytes()
+
+    # ------------------------------------------------------------------ the run
+
+    def fit(self, resume: bool = False) -> dict:
+        """Run to ppo.iterations (from the newest checkpoint with ``resume``)."""
+        name = "PPO" if self.estimator.name == "gae" else self.estimator.name.upper()
+        loop = RunLoop(
+            self.run_dir,
+            self.cfg.ppo.iterations,
+            self.cfg.log,
+            to_dict(self.cfg),
+            name,
+            self.ctx.is_main,
+            samples=self.sample_rows,
+            alerts=self.watch.new_alerts,
+            postfix=progress_summary,
+        )
+        done = loop.run(self, resume)
+        return {"iterations": done.steps, "last": done.last, "stop_reason": done.stop_reason}
+
+    def state_dict(self) -> dict:
+        update = self.update.guard.state_dict()  # gathers sharded optimiser state: collective
+        return {
+            "iteration": self.iteration,
+            "world": self.ctx.world,
+            "optim": update["optim"],
+            "sched": update["sched"],
+            "kl": self.kl_ctl.state_dict(),
+            "critic_optim": update["critic_optim"],
+            "critic_sched": update["critic_sched"],
+            "rng": gathered_rng(self.gens, self.ctx),
+            "data": self.stream.state_dict(),
+            "moments": self.moments.state_dict(),
+            "monitor": self.monitor.state.state_dict() if self.monitor else {},
+            "faults": update["faults"],
+        }
+
+    def load_state_dict(self, s: dict) -> None:
+        if int(s.get("world", 1)) != self.ctx.world:
+            raise ConfigError(
+                f"--resume: the checkpoint was written by {s.get('world', 1)} "
+                f"ranks; resume it with the same number, not {self.ctx.world}"
+            )
+        self.iteration = int(s["iteration"])
+        self.update.guard.load_state_dict(s)
+        self.kl_ctl.load_state_dict(s["kl"])
+        C.restore_rng(s["rng"][self.ctx.rank], self.gens)
+        self.stream.load_state_dict(s["data"])
+        self.moments.load_state_dict(s["moments"])
+        if self.monitor is not None and s.get("monitor"):
+            self.monitor.state.load_state_dict(s["monitor"])
+
+    def save(self, iteration: int) -> Path:
+        """Write checkpoints/step-N (collective under torchrun; files from rank 0 only)."""
+        return self.checkpoints.save(iteration, self.state_dict)
+
+    def load_checkpoint(self, path: Path) -> None:
+        self.load_state_dict(self.checkpoints.load(path))
+
+    def sample_rows(self, n: int) -> list[dict]:
+        """Up to n answers of the last iteration, with their scores and KL, for the log."""
+        return sample_rows(self.last_rollout, n)
 
 
 def train(cfg: Config, resume: bool = False) -> dict:

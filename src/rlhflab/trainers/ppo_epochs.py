@@ -1,144 +1,256 @@
-"""Step 8 of a PPO iteration: the epochs over the rollout, and the guarded optimiser update.
+"""Step 8 of a PPO iteration: the epochs over the rollout.
 
-A mixin of :class:`rlhflab.trainers.ppo.PPOTrainer`, which owns the models, optimisers and
-configuration read here. Kept apart so that ``ppo.py`` stays a short list of numbered
-steps; here are the minibatch and micro-batch loops, the losses they add up, and the guard
-that skips an update whose loss or gradient is not finite.
+:class:`PPOUpdate` is held by :class:`rlhflab.trainers.ppo.PPOTrainer`. :meth:`PPOUpdate.run`
+takes one rollout and its advantages through ``ppo.epochs`` passes of ``ppo.minibatches``
+minibatches, each accumulated over micro-batches, and reports the mean of each metric
+(:class:`EpochStats`). Each minibatch ends in the guarded update of
+:mod:`rlhflab.trainers.update_guard`, which owns the optimisers and skips (and counts) an
+update whose reward, loss or gradient is not finite.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-from rlhflab.backends.optim import UpdateInBackward, clip_grad_norms
+from rlhflab.config import Config
 from rlhflab.core import algorithms as A
 from rlhflab.core import losses as L
 from rlhflab.experience.rollout import Rollout, answer_values, policy_outputs
 from rlhflab.infra.distributed import accumulate
-from rlhflab.trainers.common import Halt
-
-log = logging.getLogger(__name__)
+from rlhflab.trainers.update_guard import GuardedUpdate
 
 
-class PPOEpochs:
-    """PPO epochs, micro-batched losses and the update; mixed into ``PPOTrainer``."""
+@dataclass
+class EpochStats:
+    """Step 8's report: each metric's mean over the applied updates (empty when the reward
+    was not finite; without ``policy/ratio_max`` only then) and how many were applied."""
 
-    def _ppo_epochs(self, ro: Rollout, advantages, returns, beta) -> dict[str, float]:
+    metrics: dict[str, float] = field(default_factory=dict)
+    applied: int = 0
+
+
+@dataclass
+class ValueLoss:
+    loss: torch.Tensor  # aggregated over the micro-batch with the minibatch's denominators
+    stats: dict[str, torch.Tensor]  # vf_clipfrac, explained_variance
+
+
+@dataclass
+class MicroLoss:
+    """One micro-batch's losses. ``total`` is what the policy's backward runs on; ``value``
+    is the value loss, from the policy's backbone or a separate critic (None: no critic)."""
+
+    total: torch.Tensor
+    policy: torch.Tensor
+    policy_stats: dict[str, torch.Tensor]
+    value: ValueLoss | None
+
+
+class PPOUpdate:
+    """The PPO epochs over a rollout and the guarded optimiser updates (step 8)."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        ctx,
+        cast,
+        train_policy,
+        train_critic,
+        minibatch_size: int,
+        shuffle: torch.Generator,
+        save: Callable[[int], Path],
+    ):
+        self.cfg, self.ctx, self.cast = cfg, ctx, cast
+        self.device = cast.device
+        # the trained models as the forward sees them (DDP-wrapped or FSDP-sharded)
+        self.train_policy, self.train_critic = train_policy, train_critic
+        self.minibatch_size = minibatch_size  # checked by distributed.rank_split
+        self.shuffle = shuffle  # the minibatch order; checkpointed with the trainer's RNGs
+        self.guard = GuardedUpdate(cfg, ctx, cast, save)  # optimisers, skips, halts
+        self.first_minibatch: dict[str, float] | None = None  # the run's first update
+        self.kept_values: torch.Tensor | None = None  # step 2's critic graph (see below)
+        self.reuse_filled: torch.Tensor | None = None  # answers whose old log-probs are set
+        self.ratio_max = 0.0  # the largest ratio of the current rollout's epochs
+
+    # ------------------------------------------------------------------ step 2's part
+
+    def critic_forward_kept(self, rollout_size: int) -> bool:
+        """Whether step 2 runs the critic's first training forward and keeps its graph
+        (ppo.values_from_training_forward): a separate critic, and the first update covers
+        the whole rollout in one micro-batch, so that forward sees the very weights and
+        answers the old values are taken on."""
+        p = self.cfg.ppo
+        return (
+            p.values_from_training_forward
+            and self.train_critic is not None
+            and p.minibatches == 1
+            and (p.micro_batch_size or rollout_size) >= rollout_size
+        )
+
+    def keep_critic_forward(self, ro: Rollout) -> None:
+        """Step 2's part under ppo.values_from_training_forward: the old values, detached,
+        and the graph that step 8's first value loss backpropagates."""
+        T = ro.response_ids.shape[1]
+        values = answer_values(self.train_critic, ro.sequences, ro.attention_mask, T)
+        ro.values = values.detach()
+        self.kept_values = values
+
+    # ------------------------------------------------------------------ step 8
+
+    def run(self, ro: Rollout, advantages, returns, beta: float, scores, iteration: int):
+        """Step 8 on rollout ``ro``: advantages and returns (None: no critic) (B, T), the
+        KL coefficient, and the raw scores (B,); skipped entirely, and counted, when a
+        score is not finite. Returns :class:`EpochStats`."""
+        self.guard.iteration = iteration
+        try:
+            if not self.ctx.all_true(bool(torch.isfinite(scores).all())):
+                self.guard.bad_update("reward", int((~torch.isfinite(scores)).sum()))
+                return EpochStats()
+            return self._epochs(ro, advantages, returns, beta)
+        finally:
+            self.kept_values = None  # the kept critic graph, used or not, is released here
+
+    def _epochs(self, ro: Rollout, advantages, returns, beta) -> EpochStats:
         p, cast = self.cfg.ppo, self.cast
         B = len(ro)
-        mb_size = self.minibatch_size  # PPOTrainer checked the split (distributed.rank_split)
-        if B != mb_size * p.minibatches:
+        if B != self.minibatch_size * p.minibatches:
             raise RuntimeError(
-                f"this rank holds {B} answers, not {p.minibatches} minibatches of {mb_size}"
+                f"this rank holds {B} answers, not {p.minibatches} minibatches of "
+                f"{self.minibatch_size}"
             )
-        micro = p.micro_batch_size or mb_size
         cast.policy.train()
         if cast.critic is not None:
             cast.critic.train()
+        self._fill_old_logprobs_here(ro)
+        self.ratio_max = 0.0
         stats: dict[str, list[float]] = {}
-        if ro.old_logprobs is None:  # ppo.reuse_training_forward: this forward supplies them
-            ro.old_logprobs = torch.zeros_like(ro.ref_logprobs)
-            ro.entropy = torch.zeros_like(ro.ref_logprobs)
-            self.reuse_filled = torch.zeros(B, dtype=torch.bool, device=ro.ref_logprobs.device)
-        else:
-            self.reuse_filled = None
-        # ppo.step_in_backward: AdamW runs inside each backward, tensor by tensor
-        self.in_backward = None
-        if p.step_in_backward:
-            self.in_backward = UpdateInBackward((self.opt, self.critic_opt))
-        with self.in_backward or contextlib.nullcontext():
-            self._epoch_loop(ro, advantages, returns, beta, stats, B, mb_size, micro)
+        with self.guard.updating_in_backward():
+            for idx in self._minibatches(B):
+                applied = self._train_minibatch(ro, idx, advantages, returns, beta)
+                for k, v in (applied or {}).items():
+                    stats.setdefault(k, []).append(v)
         out = {k: sum(v) / len(v) for k, v in stats.items()}
         out["policy/ratio_max"] = self.ratio_max
         if p.dual_clip is None:
             out.pop("policy/dual_clipfrac", None)
-        return out
+        return EpochStats(out, len(stats.get("policy/loss", [])))
 
-    def _epoch_loop(self, ro, advantages, returns, beta, stats, B, mb_size, micro) -> None:
-        p, cast = self.cfg.ppo, self.cast
-        seqs, attn = ro.sequences, ro.attention_mask
-        P = ro.prompt_ids.shape[1]
-        self.ratio_max = 0.0
-        for _epoch in range(p.epochs):
-            order = torch.randperm(B, generator=self.gens["shuffle"]).to(self.device)
+    def _fill_old_logprobs_here(self, ro: Rollout) -> None:
+        """ppo.reuse_training_forward: the first training forward supplies the old
+        log-probs and entropy, answer by answer (``reuse_filled`` says which are set)."""
+        if ro.old_logprobs is None:
+            ro.old_logprobs = torch.zeros_like(ro.ref_logprobs)
+            ro.entropy = torch.zeros_like(ro.ref_logprobs)
+            self.reuse_filled = torch.zeros(
+                len(ro), dtype=torch.bool, device=ro.ref_logprobs.device
+            )
+        else:
+            self.reuse_filled = None
+
+    def _minibatches(self, B: int) -> Iterator[torch.Tensor]:
+        """The answer indices of each minibatch: every epoch, a fresh shuffle of the batch."""
+        mb_size = self.minibatch_size
+        for _epoch in range(self.cfg.ppo.epochs):
+            order = torch.randperm(B, generator=self.shuffle).to(self.device)
             for start in range(0, B, mb_size):
-                idx = order[start : start + mb_size]
-                n_tokens = ro.response_mask[idx].sum().clamp(min=1)
-                # Global token count: DDP/FSDP average gradients over ranks, so dividing each
-                # rank's token sum by (global tokens / world) gives the global token mean.
-                global_tokens = self.ctx.all_sum(n_tokens.double().reshape(1))[0]
-                agg = {
-                    "num_tokens": global_tokens / self.ctx.world,
-                    "num_seqs": mb_size,
-                    # Dr. GRPO's constant: one number for every batch, rank and minibatch
-                    "norm": p.loss_agg_norm or self.cfg.rollout.max_new_tokens,
-                }
-                n_micro = (mb_size + micro - 1) // micro
-                mb_stats: dict[str, float] = {}
-                finite = True
-                for k_micro, ms in enumerate(range(0, mb_size, micro)):
-                    i = idx[ms : ms + micro]
-                    m = ro.response_mask[i]
-                    sync = k_micro == n_micro - 1
-                    trained = [t for t in (self.train_policy, self.train_critic) if t is not None]
-                    with accumulate(trained, sync):
-                        # A separate critic's graph is disjoint from the policy's: backward
-                        # each as soon as it is built, so only one model's activations are
-                        # alive at a time (same gradients, half the activation peak). The
-                        # graph step 2 kept goes first, before the policy's is built.
-                        separate = returns is not None and not cast.shared
-                        critic_first = separate and self.kept_values is not None
-                        if critic_first:
-                            vf, vf_stats, finite = self._critic_step(ro, i, m, returns, agg)
-                            if not finite:
-                                break
-                        total, pg, pg_stats, vf_head, vf_head_stats = self._micro_loss(
-                            ro, i, m, advantages, returns, beta, agg, seqs, attn, P
-                        )
-                        if not self.ctx.all_true(bool(torch.isfinite(total))):
-                            finite = False
-                            break
-                        total.backward()
-                        if not separate:  # the value loss (if any) was in the policy's
-                            vf, vf_stats = vf_head, vf_head_stats
-                        elif not critic_first:
-                            vf, vf_stats, finite = self._critic_step(ro, i, m, returns, agg)
-                            if not finite:
-                                break
-                    share = m.sum().item() / n_tokens.item()
-                    named = {
-                        "policy/loss": pg.item(),
-                        **{f"policy/{k}": v.item() for k, v in pg_stats.items()},
-                    }
-                    if vf_stats:
-                        named["val/loss"] = vf.item()
-                        named["val/clipfrac"] = vf_stats["vf_clipfrac"].item()
-                        named["val/explained_variance"] = vf_stats["explained_variance"].item()
-                    for k, v in named.items():  # losses already carry global denominators
-                        mb_stats[k] = mb_stats.get(k, 0.0) + (
-                            v if k.endswith("loss") else v * share
-                        )
-                    self.ratio_max = max(self.ratio_max, pg_stats["ratio_max"].item())
-                if self._apply_update(finite):
-                    mb_stats.update(self.grad_norms)
-                    if self.first_minibatch is None:
-                        self.first_minibatch = dict(mb_stats)
-                    for k, v in mb_stats.items():
-                        stats.setdefault(k, []).append(v)
+                yield order[start : start + mb_size]
 
-    def _micro_loss(self, ro, i, m, advantages, returns, beta, agg, seqs, attn, P):
+    def _micro_batches(self, idx: torch.Tensor) -> Iterator[tuple[torch.Tensor, bool]]:
+        """(indices, whether gradients synchronise after it): the last one syncs."""
+        micro = self.cfg.ppo.micro_batch_size or len(idx)
+        n_micro = (len(idx) + micro - 1) // micro
+        for k_micro, ms in enumerate(range(0, len(idx), micro)):
+            yield idx[ms : ms + micro], k_micro == n_micro - 1
+
+    def _train_minibatch(self, ro, idx, advantages, returns, beta) -> dict[str, float] | None:
+        """Accumulate the minibatch's gradients over its micro-batches, then update. Returns
+        the minibatch's metrics, or None when its update was skipped."""
+        n_tokens = ro.response_mask[idx].sum().clamp(min=1)
+        agg = self._aggregation(n_tokens, len(idx))
+        trained = [t for t in (self.train_policy, self.train_critic) if t is not None]
+        mb_stats: dict[str, float] = {}
+        finite = True
+        for i, sync in self._micro_batches(idx):
+            m = ro.response_mask[i]
+            with accumulate(trained, sync):
+                micro = self._micro_backward(ro, i, m, advantages, returns, beta, agg)
+            if micro is None:
+                finite = False
+                break
+            self._add_micro_stats(mb_stats, micro, m.sum().item() / n_tokens.item())
+        if not self.guard.apply(finite):
+            return None
+        mb_stats.update(self.guard.grad_norms)
+        if self.first_minibatch is None:
+            self.first_minibatch = dict(mb_stats)
+        return mb_stats
+
+    def _aggregation(self, n_tokens: torch.Tensor, mb_size: int) -> dict:
+        """The loss denominators of one minibatch, equal on every rank."""
+        # Global token count: DDP/FSDP average gradients over ranks, so dividing each
+        # rank's token sum by (global tokens / world) gives the global token mean.
+        global_tokens = self.ctx.all_sum(n_tokens.double().reshape(1))[0]
+        return {
+            "num_tokens": global_tokens / self.ctx.world,
+            "num_seqs": mb_size,
+            # Dr. GRPO's constant: one number for every batch, rank and minibatch
+            "norm": self.cfg.ppo.loss_agg_norm or self.cfg.rollout.max_new_tokens,
+        }
+
+    def _micro_backward(self, ro, i, m, advantages, returns, beta, agg) -> MicroLoss | None:
+        """Losses and backward of one micro-batch; None (and no further backward) as soon
+        as a loss is not finite on any rank."""
+        # A separate critic's graph is disjoint from the policy's: backward each as soon as
+        # it is built, so only one model's activations are alive at a time (same
+        # gradients, half the activation peak). The graph step 2 kept goes first, before
+        # the policy's is built.
+        separate = returns is not None and not self.cast.shared
+        critic_first = separate and self.kept_values is not None
+        critic = None
+        if critic_first:
+            critic = self._critic_backward(ro, i, m, returns, agg)
+            if critic is None:
+                return None
+        loss = self._micro_loss(ro, i, m, advantages, returns, beta, agg)
+        if not self.ctx.all_true(bool(torch.isfinite(loss.total))):
+            return None
+        loss.total.backward()
+        if separate and not critic_first:
+            critic = self._critic_backward(ro, i, m, returns, agg)
+            if critic is None:
+                return None
+        if separate:  # else the value loss (if any) was in the policy's
+            loss.value = critic
+        return loss
+
+    def _add_micro_stats(self, mb_stats: dict, micro: MicroLoss, share: float) -> None:
+        """Add a micro-batch's metrics to its minibatch's: losses already carry global
+        denominators; other statistics are weighted by the micro-batch's token share."""
+        named = {
+            "policy/loss": micro.policy.item(),
+            **{f"policy/{k}": v.item() for k, v in micro.policy_stats.items()},
+        }
+        if micro.value is not None:
+            named["val/loss"] = micro.value.loss.item()
+            named["val/clipfrac"] = micro.value.stats["vf_clipfrac"].item()
+            named["val/explained_variance"] = micro.value.stats["explained_variance"].item()
+        for k, v in named.items():
+            mb_stats[k] = mb_stats.get(k, 0.0) + (v if k.endswith("loss") else v * share)
+        self.ratio_max = max(self.ratio_max, micro.policy_stats["ratio_max"].item())
+
+    def _micro_loss(self, ro, i, m, advantages, returns, beta, agg) -> MicroLoss:
         """Policy loss (+ KL-in-loss, − entropy bonus) of one micro-batch, plus the value loss
         when the values come from the policy's own backbone (shared layout)."""
         p, cast = self.cfg.ppo, self.cast
         lp, values, ent = policy_outputs(
             self.train_policy,
-            seqs[i],
-            attn[i],
-            P,
+            ro.sequences[i],
+            ro.attention_mask[i],
+            ro.prompt_ids.shape[1],
             ro.response_ids[i],
             self.cfg.rollout.temperature,
             with_entropy=p.entropy_coef > 0 or self.reuse_filled is not None,
@@ -168,124 +280,32 @@ class PPOEpochs:
             loss = loss + beta * L.aggregate(kl, m, p.loss_agg, **agg)
         if p.entropy_coef > 0:
             loss = loss - p.entropy_coef * L.aggregate(ent, m, p.loss_agg, **agg)
-        vf, vf_stats = torch.zeros((), device=lp.device), {}
+        vf, value = torch.zeros((), device=lp.device), None
         if returns is not None and cast.shared:
-            vf, vf_stats = self._value_loss(values, ro, i, m, returns, agg)
+            value = self._value_loss(values, ro, i, m, returns, agg)
+            vf = value.loss
         total = loss + self.cfg.model.vf_coef * vf
-        return total, pg, pg_stats, vf, vf_stats
+        return MicroLoss(total, pg, pg_stats, value)
 
-    def _critic_step(self, ro, i, m, returns, agg):
-        """Value loss of one micro-batch for a separate critic and its backward; returns
-        (loss, stats, finite) and runs no backward when the loss is not finite. The values
-        come from the critic's own forward, or from the one step 2 kept (then ``i`` is the
-        whole rollout, in shuffled order)."""
+    def _critic_backward(self, ro, i, m, returns, agg) -> ValueLoss | None:
+        """Value loss of one micro-batch for a separate critic and its backward; None, and
+        no backward, when the loss is not finite. The values come from the critic's own
+        forward, or from the one step 2 kept (then ``i`` is the whole rollout, in shuffled
+        order)."""
         if self.kept_values is not None:
             values, self.kept_values = self.kept_values[i], None
         else:
             T = ro.response_ids.shape[1]
             values = answer_values(self.train_critic, ro.sequences[i], ro.attention_mask[i], T)
-        vf, vf_stats = self._value_loss(values, ro, i, m, returns, agg)
-        finite = self.ctx.all_true(bool(torch.isfinite(vf)))
-        if finite:
-            vf.backward()
-        return vf, vf_stats, finite
+        value = self._value_loss(values, ro, i, m, returns, agg)
+        if not self.ctx.all_true(bool(torch.isfinite(value.loss))):
+            return None
+        value.loss.backward()
+        return value
 
-    def _critic_forward_kept(self, rollout_size: int) -> bool:
-        """Whether step 2 runs the critic's first training forward and keeps its graph
-        (ppo.values_from_training_forward): a separate critic, and the first update covers
-        the whole rollout in one micro-batch, so that forward sees the very weights and
-        answers the old values are taken on."""
+    def _value_loss(self, values, ro, i, m, returns, agg) -> ValueLoss:
         p = self.cfg.ppo
-        return (
-            p.values_from_training_forward
-            and self.train_critic is not None
-            and p.minibatches == 1
-            and (p.micro_batch_size or rollout_size) >= rollout_size
+        vf, stats = L.value_loss(
+            values, ro.values[i], returns[i], m, p.value_clip, p.loss_agg, **agg
         )
-
-    def _keep_critic_forward(self, ro: Rollout) -> None:
-        """Step 2's part under ppo.values_from_training_forward: the old values, detached,
-        and the graph that step 8's first value loss backpropagates."""
-        T = ro.response_ids.shape[1]
-        values = answer_values(self.train_critic, ro.sequences, ro.attention_mask, T)
-        ro.values = values.detach()
-        self.kept_values = values
-
-    def _value_loss(self, values, ro, i, m, returns, agg):
-        p = self.cfg.ppo
-        return L.value_loss(values, ro.values[i], returns[i], m, p.value_clip, p.loss_agg, **agg)
-
-    def _norm_names(self) -> list[str]:
-        """The logged gradient-norm name of each optimiser, in (policy, critic) order: a
-        shared backbone's value head is part of the policy's model and of its norm."""
-        return ["policy/grad_norm"] + (["val/grad_norm"] if self.critic_opt else [])
-
-    def _apply_update(self, loss_finite: bool) -> bool:
-        """Clip each model by its own gradient norm and step, unless the loss or a gradient
-        is not finite (then skip and count). The norms go to ``self.grad_norms``."""
-        p = self.cfg.ppo
-        cause = None if loss_finite else "loss"
-        self.grad_norms = {}
-        if self.in_backward is not None:  # the optimisers already ran, inside the backward
-            return self._finish_update_in_backward(cause)
-        if cause is None:
-            opts = [o for o in (self.opt, self.critic_opt) if o is not None]
-            models = {
-                name: [q for g in opt.param_groups for q in g["params"]]
-                for name, opt in zip(self._norm_names(), opts)
-            }
-            self.grad_norms = clip_grad_norms(models, p.max_grad_norm)
-            if not all(math.isfinite(n) for n in self.grad_norms.values()):
-                cause = "gradient"
-        if cause is not None:
-            self.opt.zero_grad(set_to_none=True)
-            if self.critic_opt:
-                self.critic_opt.zero_grad(set_to_none=True)
-            self._bad_update(cause)
-            return False
-        for opt, sched in ((self.opt, self.sched), (self.critic_opt, self.critic_sched)):
-            if opt is not None:
-                opt.step()
-                sched.step()
-                opt.zero_grad(set_to_none=True)
-        self.consecutive_bad = 0
-        return True
-
-    def _finish_update_in_backward(self, cause: str | None) -> bool:
-        """ppo.step_in_backward: every tensor with a finite gradient has been updated;
-        count the update as skipped if a loss or a gradient was not finite."""
-        found_inf = self.in_backward.found_inf
-        self.grad_norms = dict(zip(self._norm_names(), self.in_backward.grad_norms()))
-        self.in_backward.reset()
-        if cause is None and found_inf is not None and bool(found_inf):
-            cause = "gradient"
-        for opt in (self.opt, self.critic_opt):
-            if opt is not None:  # gradients left by an interrupted micro-batch
-                opt.zero_grad(set_to_none=True)
-        if cause is not None:
-            self._bad_update(cause)
-            return False
-        for sched in (self.sched, self.critic_sched):
-            if sched is not None:
-                sched.step()
-        self.consecutive_bad = 0
-        return True
-
-    def _bad_update(self, cause: str, count: int | None = None) -> None:
-        self.skipped_total += 1
-        self.consecutive_bad += 1
-        detail = f" ({count} non-finite scores)" if count else ""
-        log.warning(
-            "iteration %d: skipped an update: non-finite %s%s", self.iteration + 1, cause, detail
-        )
-        if self.consecutive_bad >= self.cfg.ppo.max_bad_updates:
-            path = self.save(self.iteration)  # weights are still the last good ones
-            trainer = getattr(self, "estimator", "ppo").upper()
-            halt = Halt(
-                trainer, "ppo.lr", lambda: f"The last good state is in {path}.", "iteration"
-            )
-            raise halt.error(
-                self.iteration + 1,
-                f"{cause} in {self.consecutive_bad} updates in a row",
-                ", use reward.clip, or check the reward function for NaN/inf",
-            )
+        return ValueLoss(vf, stats)

@@ -1,9 +1,9 @@
 """Steps 2b and 9b of a PPO iteration: the reward-hacking monitor's probe and its reaction,
 and step 9's check that the KL to the reference is not significantly negative.
 
-A mixin of :class:`rlhflab.trainers.ppo.PPOTrainer` (which owns the models, the monitor and
-the KL controller read here), kept apart so that ``ppo.py`` stays a short list of numbered
-steps. The signals themselves are computed in ``rlhflab.diagnostics.monitor``.
+:class:`PPOWatch` is held by :class:`rlhflab.trainers.ppo.PPOTrainer`; it owns the monitor
+and may raise the KL controller's β or ask the run to stop (``stop_reason``). The signals
+themselves are computed in ``rlhflab.diagnostics.monitor``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,10 @@ import logging
 
 import torch
 
+from rlhflab.config import Config
 from rlhflab.core import algorithms as A
+from rlhflab.diagnostics.monitor import HackingMonitor
+from rlhflab.experience.rewards import FunctionReward
 from rlhflab.experience.rollout import Rollout, generate_rollout, opener_logprobs
 
 log = logging.getLogger(__name__)
@@ -24,9 +27,23 @@ NEGATIVE_KL_Z = -4.0
 
 
 class PPOWatch:
-    """The monitor's work inside an iteration; mixed into ``PPOTrainer``."""
+    """The monitor's work inside an iteration, and the KL-sign check."""
 
-    def _opener_probe(self, rollout: Rollout):
+    def __init__(self, cfg: Config, ctx, cast, kl_ctl, generator: torch.Generator, all_done):
+        self.cfg, self.ctx, self.cast = cfg, ctx, cast
+        self.kl_ctl = kl_ctl  # monitor.response=raise_kl multiplies its β
+        # the reference's samples draw from their own stream, so switching the monitor on
+        # or off never changes what the policy samples
+        self.generator = generator
+        self.all_done = all_done  # the sampler's every-rank stop test under FSDP, or None
+        self.monitor: HackingMonitor | None = None
+        if cfg.monitor.enabled:
+            gold = FunctionReward(cfg.monitor.gold) if cfg.monitor.gold else None
+            self.monitor = HackingMonitor(cfg.monitor, gold, cfg.ppo.kl_target)
+        self.kl_sign_warned = False
+        self.stop_reason: str | None = None  # set by monitor.response=stop
+
+    def opener_probe(self, rollout: Rollout):
         """(policy, reference) log P(answer opens with a flattery phrase), (B,) each, or None
         when the monitor or its flattery_opener_ratio signal is off."""
         mc, r = self.cfg.monitor, self.cfg.rollout
@@ -40,11 +57,11 @@ class PPOWatch:
             for model in (self.cast.policy_lm, self.cast.reference)
         )
 
-    def _check_kl_sign(self, seq_kl: torch.Tensor) -> None:
+    def check_kl_sign(self, seq_kl: torch.Tensor) -> None:
         """Warn once a run when the global batch's per-answer k1 KL (B,) is significantly
         negative. TRL users meet "KL divergence is starting to become negative" and ask why
         (trl #925, #1161; LlamaFactory #664); this names the causes this config has."""
-        if getattr(self, "kl_sign_warned", False):
+        if self.kl_sign_warned:
             return
         z = A.mean_z_score(self.ctx.all_gather_cat(seq_kl.detach().float()))
         if not z < NEGATIVE_KL_Z:
@@ -67,10 +84,13 @@ class PPOWatch:
             "; or ".join(causes),
         )
 
-    def _watch(self, rollout: Rollout, metrics: dict, openers=None) -> dict[str, float]:
-        """Step 9b: reward-hacking signals, alerts, and the configured reaction."""
+    def react(self, rollout: Rollout, metrics: dict, openers, iteration: int) -> dict[str, float]:
+        """Step 9b of iteration ``iteration`` (0-based): reward-hacking signals, alerts, and
+        the configured reaction; the ``monitor/`` metrics (none with the monitor off)."""
+        if self.monitor is None:
+            return {}
         mc, r = self.cfg.monitor, self.cfg.rollout
-        it = self.iteration + 1
+        it = iteration + 1
         ref = None
         if mc.reference_every and it % mc.reference_every == 0:
             ref = generate_rollout(
@@ -81,8 +101,8 @@ class PPOWatch:
                 r.temperature,
                 r.top_k,
                 r.top_p,
-                self.gens["monitor"],
-                self.device,
+                self.generator,
+                self.cast.device,
                 all_done=self.all_done,
                 ignore_eos=r.ignore_eos,
             )
@@ -97,3 +117,10 @@ class PPOWatch:
             elif mc.response == "stop" and self.stop_reason is None:
                 self.stop_reason = f"{alert.message()} (monitor.response=stop)"
         return {**{f"monitor/{k}": v for k, v in signals.items()}, "monitor/alerts": len(alerts)}
+
+    def new_alerts(self, iteration: int) -> list[dict]:
+        """The alerts raised at ``iteration`` (1-based), as the run log writes them."""
+        if self.monitor is None:
+            return []
+        new = [a for a in self.monitor.state.alerts if a.iteration == iteration]
+        return [vars(a) | {"message": a.message()} for a in new]

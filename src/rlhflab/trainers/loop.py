@@ -1,0 +1,141 @@
+"""The run around any trainer: resume, config.yaml, the run log, progress, checkpoints.
+
+:class:`RunLoop` drives a *job* for a fixed number of steps. The job is any object with
+
+- ``iteration``: steps done so far (the loop adds 1 after each step; a resume restores it);
+- ``step() -> dict[str, float]``: one step (a PPO iteration, an optimiser step), its metrics;
+- ``save(step) -> Path``: write ``checkpoints/step-N`` (collective under torchrun);
+- ``load_checkpoint(path)``: restore weights and state from such a folder;
+- ``stop_reason``: None, or why the run should stop after this step.
+
+What a step adds to the log beyond its metrics (sample answers, monitor alerts) and the
+progress bar's summary are optional hooks of the loop. Under torchrun every rank runs the
+loop (each step and each save is collective); only rank 0 writes files.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import yaml
+
+from rlhflab.config import LogConfig
+from rlhflab.infra import checkpoint as C
+from rlhflab.infra.runlog import RunLog
+from rlhflab.trainers.common import progress
+
+log = logging.getLogger(__name__)
+
+
+class Job(Protocol):
+    iteration: int
+    stop_reason: str | None
+
+    def step(self) -> dict[str, float]: ...
+    def save(self, step: int) -> Path: ...
+    def load_checkpoint(self, path: Path) -> None: ...
+
+
+class NullLog:
+    """What ranks other than 0 write: nothing."""
+
+    def metrics(self, *a) -> None: ...
+    def samples(self, *a) -> None: ...
+    def alerts(self, *a) -> None: ...
+    def close(self) -> None: ...
+
+
+@dataclass
+class RunResult:
+    steps: int  # steps done, resumed ones included
+    last: dict[str, float]  # the last step's metrics ({} when none ran)
+    stop_reason: str | None
+    seconds: float  # wall time of this call
+
+
+@dataclass
+class RunLoop:
+    run_dir: Path
+    total: int  # the step the run ends at
+    log: LogConfig  # checkpoint_every, samples, progress, tensorboard, wandb
+    config: dict  # the resolved config, written to config.yaml and to the run log
+    name: str  # the progress bar's label
+    is_main: bool = True  # rank 0 (or a single process): the one that writes files
+    # (n) -> up to n sample answers of the last step, logged every log.sample_every steps
+    samples: Callable[[int], list[dict]] | None = None
+    # (step) -> alerts raised at that step
+    alerts: Callable[[int], list[dict]] | None = None
+    # (metrics) -> the progress bar's summary
+    postfix: Callable[[dict], dict[str, str]] | None = None
+    # (run_dir, set_aside) -> the newest checkpoint that is whole, or None: by default
+    # rlhflab's checkpoint format's check; a job that writes another format brings its own
+    latest: Callable[[Path, bool], Path | None] = C.latest_checkpoint
+
+    def run(self, job: Job, resume: bool = False) -> RunResult:
+        start = time.perf_counter()
+        resume_step = self._resume(job) if resume else None
+        runlog = self._open_log(resume_step)
+        bar = progress(
+            range(job.iteration, self.total),
+            self.log.progress and self.is_main,
+            self.name,
+            initial=job.iteration,
+            total=self.total,
+        )
+        metrics: dict = {}
+        try:
+            for _ in bar:
+                metrics = job.step()
+                job.iteration += 1
+                self._record(runlog, job.iteration, metrics)
+                if hasattr(bar, "set_postfix") and self.postfix is not None:
+                    bar.set_postfix(**self.postfix(metrics))
+                if self._checkpoint_due(job):
+                    job.save(job.iteration)
+                if job.stop_reason:
+                    log.warning("stopped: %s", job.stop_reason)
+                    break
+        finally:
+            runlog.close()
+        return RunResult(job.iteration, metrics, job.stop_reason, time.perf_counter() - start)
+
+    def _resume(self, job: Job) -> int | None:
+        """Load the newest whole checkpoint, if any; the step it was written at, or None.
+        Every rank picks the same one (``latest``, by default
+        :func:`rlhflab.infra.checkpoint.latest_checkpoint`, skips damaged ones); rank 0 alone
+        sets a damaged one aside."""
+        last = self.latest(self.run_dir, self.is_main)
+        if last is None:
+            log.info("--resume: no checkpoint in %s; starting fresh", self.run_dir)
+            return None
+        job.load_checkpoint(last)
+        log.info("resumed from %s", last)
+        return job.iteration
+
+    def _open_log(self, resume_step: int | None):
+        if not self.is_main:
+            return NullLog()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(self.config, sort_keys=False))
+        return RunLog(self.run_dir, self.log.tensorboard, self.log.wandb, self.config, resume_step)
+
+    def _record(self, runlog, step: int, metrics: dict) -> None:
+        runlog.metrics(step, metrics)
+        if self.alerts is not None:
+            runlog.alerts(self.alerts(step))
+        n = self.log.samples_per_log
+        if self.samples is not None and n and step % self.log.sample_every == 0:
+            runlog.samples(step, self.samples(n))
+
+    def _checkpoint_due(self, job: Job) -> bool:
+        """Every log.checkpoint_every steps, at the last step, and before a stop."""
+        return bool(
+            job.iteration % self.log.checkpoint_every == 0
+            or job.iteration == self.total
+            or job.stop_reason
+        )

@@ -1,0 +1,171 @@
+"""The guarded optimiser update of the trained models (the end of step 8).
+
+:class:`GuardedUpdate` owns the optimisers and learning-rate schedules of the policy (with
+a shared backbone's value head) and of a separate critic. :meth:`GuardedUpdate.apply`
+clips each model by its own gradient norm and steps, unless the loss or a gradient is not
+finite: then the update is skipped and counted (:meth:`GuardedUpdate.bad_update`), and
+ppo.max_bad_updates in a row stop the run with a checkpoint of the last good state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+from rlhflab.backends.optim import UpdateInBackward, clip_grad_norms
+from rlhflab.config import Config
+from rlhflab.infra.distributed import load_optimizer_state, optimizer_state
+from rlhflab.trainers.common import Halt, build_optimizer, build_scheduler
+
+log = logging.getLogger(__name__)
+
+
+class GuardedUpdate:
+    """Optimisers, schedules and the non-finite guard of one PPO-family run."""
+
+    def __init__(self, cfg: Config, ctx, cast, save: Callable[[int], Path]):
+        p = cfg.ppo
+        self.cfg, self.ctx, self.cast = cfg, ctx, cast
+        self.save = save  # writes the checkpoint the run halts with
+        # as a halt's message names the method: PPO, GRPO or RLOO
+        estimator = cfg.ppo.advantage_estimator
+        self.trainer_name = "PPO" if estimator == "gae" else estimator.upper()
+        total_steps = p.iterations * p.epochs * p.minibatches
+        policy = [
+            q
+            for n, q in cast.policy.named_parameters()
+            if q.requires_grad and not n.startswith("value_head")
+        ]
+        groups = [{"params": policy, "lr": p.lr}]
+        if cast.shared:
+            groups.append({"params": list(cast.policy.value_head.parameters()), "lr": p.critic_lr})
+        self.opt = build_optimizer(groups, p)
+        self.sched = build_scheduler(self.opt, p.warmup_steps, total_steps, p.lr_schedule)
+        self.critic_opt = self.critic_sched = None
+        if cast.critic is not None:
+            self.critic_opt = build_optimizer(
+                [{"params": list(cast.critic.parameters()), "lr": p.critic_lr}], p
+            )
+            self.critic_sched = build_scheduler(
+                self.critic_opt, p.warmup_steps, total_steps, p.lr_schedule
+            )
+        self.skipped_total = self.consecutive_bad = 0
+        self.iteration = 0  # the iteration being trained (0-based), for messages
+        self.in_backward: UpdateInBackward | None = None  # under ppo.step_in_backward
+        self.grad_norms: dict[str, float] = {}  # of the last update, before the clip
+
+    def updating_in_backward(self):
+        """The context of one rollout's epochs: under ppo.step_in_backward, AdamW runs
+        inside each backward, tensor by tensor; else nothing."""
+        self.in_backward = None
+        if self.cfg.ppo.step_in_backward:
+            self.in_backward = UpdateInBackward((self.opt, self.critic_opt))
+        return self.in_backward or contextlib.nullcontext()
+
+    def state_dict(self) -> dict:
+        """Optimiser moments (gathered under FSDP: a collective), schedules, fault counts."""
+        strategy, cast = self.cfg.dist.strategy, self.cast
+        critic = self.critic_opt
+        return {
+            "optim": optimizer_state(cast.policy, self.opt, self.ctx, strategy),
+            "sched": self.sched.state_dict(),
+            "critic_optim": optimizer_state(cast.critic_values, critic, self.ctx, strategy)
+            if critic
+            else {},
+            "critic_sched": self.critic_sched.state_dict() if self.critic_sched else {},
+            "faults": {"skipped_total": self.skipped_total, "consecutive": self.consecutive_bad},
+        }
+
+    def load_state_dict(self, s: dict) -> None:
+        strategy = self.cfg.dist.strategy
+        load_optimizer_state(self.cast.policy, self.opt, s["optim"], self.ctx, strategy)
+        self.sched.load_state_dict(s["sched"])
+        if self.critic_opt:
+            load_optimizer_state(
+                self.cast.critic_values, self.critic_opt, s["critic_optim"], self.ctx, strategy
+            )
+            self.critic_sched.load_state_dict(s["critic_sched"])
+        self.skipped_total = int(s["faults"]["skipped_total"])
+        self.consecutive_bad = int(s["faults"]["consecutive"])
+
+    def _norm_names(self) -> list[str]:
+        """The logged gradient-norm name of each optimiser, in (policy, critic) order: a
+        shared backbone's value head is part of the policy's model and of its norm."""
+        return ["policy/grad_norm"] + (["val/grad_norm"] if self.critic_opt else [])
+
+    def apply(self, loss_finite: bool) -> bool:
+        """Clip each model by its own gradient norm and step, unless the loss or a gradient
+        is not finite (then skip and count). The norms go to ``self.grad_norms``."""
+        p = self.cfg.ppo
+        cause = None if loss_finite else "loss"
+        self.grad_norms = {}
+        if self.in_backward is not None:  # the optimisers already ran, inside the backward
+            return self._finish_update_in_backward(cause)
+        if cause is None:
+            opts = [o for o in (self.opt, self.critic_opt) if o is not None]
+            models = {
+                name: [q for g in opt.param_groups for q in g["params"]]
+                for name, opt in zip(self._norm_names(), opts)
+            }
+            self.grad_norms = clip_grad_norms(models, p.max_grad_norm)
+            if not all(math.isfinite(n) for n in self.grad_norms.values()):
+                cause = "gradient"
+        if cause is not None:
+            self.opt.zero_grad(set_to_none=True)
+            if self.critic_opt:
+                self.critic_opt.zero_grad(set_to_none=True)
+            self.bad_update(cause)
+            return False
+        for opt, sched in ((self.opt, self.sched), (self.critic_opt, self.critic_sched)):
+            if opt is not None:
+                opt.step()
+                sched.step()
+                opt.zero_grad(set_to_none=True)
+        self.consecutive_bad = 0
+        return True
+
+    def _finish_update_in_backward(self, cause: str | None) -> bool:
+        """ppo.step_in_backward: every tensor with a finite gradient has been updated;
+        count the update as skipped if a loss or a gradient was not finite."""
+        found_inf = self.in_backward.found_inf
+        self.grad_norms = dict(zip(self._norm_names(), self.in_backward.grad_norms()))
+        self.in_backward.reset()
+        if cause is None and found_inf is not None and bool(found_inf):
+            cause = "gradient"
+        for opt in (self.opt, self.critic_opt):
+            if opt is not None:  # gradients left by an interrupted micro-batch
+                opt.zero_grad(set_to_none=True)
+        if cause is not None:
+            self.bad_update(cause)
+            return False
+        for sched in (self.sched, self.critic_sched):
+            if sched is not None:
+                sched.step()
+        self.consecutive_bad = 0
+        return True
+
+    def bad_update(self, cause: str, count: int | None = None) -> None:
+        """Count a skipped update (a non-finite ``cause``: reward, loss or gradient); after
+        ppo.max_bad_updates in a row, checkpoint the last good state and halt the run."""
+        self.skipped_total += 1
+        self.consecutive_bad += 1
+        detail = f" ({count} non-finite scores)" if count else ""
+        log.warning(
+            "iteration %d: skipped an update: non-finite %s%s", self.iteration + 1, cause, detail
+        )
+        if self.consecutive_bad >= self.cfg.ppo.max_bad_updates:
+            path = self.save(self.iteration)  # weights are still the last good ones
+            halt = Halt(
+                self.trainer_name,
+                "ppo.lr",
+                lambda: f"The last good state is in {path}.",
+                "iteration",
+            )
+            raise halt.error(
+                self.iteration + 1,
+                f"{cause} in {self.consecutive_bad} updates in a row",
+                ", use reward.clip, or check the reward function for NaN/inf",
+            )

@@ -1,0 +1,81 @@
+"""RunLoop, the run around any trainer, on a job with no model: cadence, stop, resume."""
+
+import yaml
+
+from rlhflab.config import LogConfig
+from rlhflab.infra.runlog import read_jsonl
+from rlhflab.trainers.loop import RunLoop
+
+
+class CountingJob:
+    """A supervised-style job: step() returns a loss; its state is the step count."""
+
+    def __init__(self, run_dir, stop_after=None):
+        self.run_dir, self.stop_after = run_dir, stop_after
+        self.iteration = 0
+        self.stop_reason = None
+        self.saved, self.loaded = [], []
+
+    def step(self):
+        if self.stop_after is not None and self.iteration + 1 >= self.stop_after:
+            self.stop_reason = "enough"
+        return {"loss": 1.0 / (self.iteration + 1)}
+
+    def save(self, step):
+        path = self.run_dir / "checkpoints" / f"step-{step}"
+        path.mkdir(parents=True)
+        (path / "state.yaml").write_text(yaml.safe_dump({"iteration": self.iteration}))
+        self.saved.append(step)
+        return path
+
+    def load_checkpoint(self, path):
+        self.iteration = yaml.safe_load((path / "state.yaml").read_text())["iteration"]
+        self.loaded.append(path.name)
+
+
+def newest(run_dir, set_aside):
+    """The job's own checkpoints (state.yaml, not rlhflab's format): the newest by step."""
+    found = sorted((run_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name[5:]))
+    return found[-1] if found else None
+
+
+def loop(run_dir, total=5, **kw):
+    log = LogConfig(output_dir=str(run_dir), progress=False, checkpoint_every=2, sample_every=2)
+    return RunLoop(run_dir, total, log, {"seed": 7}, "Test", latest=newest, **kw)
+
+
+def test_runs_to_the_total_logging_each_step_and_checkpointing_on_cadence_and_at_the_end(
+    tmp_path,
+):
+    job = CountingJob(tmp_path)
+    samples = []
+    done = loop(tmp_path, samples=lambda n: samples.append(n) or [{"text": "hi"}]).run(job)
+    assert (done.steps, done.stop_reason, done.last) == (5, None, {"loss": 1 / 5})
+    assert job.saved == [2, 4, 5]
+    assert [r["iteration"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4, 5]
+    assert samples == [4, 4]  # steps 2 and 4, log.samples_per_log each
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text()) == {"seed": 7}
+
+
+def test_a_stop_reason_ends_the_run_with_a_checkpoint(tmp_path):
+    job = CountingJob(tmp_path, stop_after=3)
+    done = loop(tmp_path).run(job)
+    assert (done.steps, done.stop_reason) == (3, "enough")
+    assert job.saved == [2, 3]
+
+
+def test_resume_starts_after_the_newest_checkpoint_and_appends_to_the_log(tmp_path):
+    loop(tmp_path, total=3).run(CountingJob(tmp_path))
+    again = CountingJob(tmp_path)
+    done = loop(tmp_path, total=5).run(again, resume=True)
+    assert again.loaded == ["step-3"] and again.saved == [4, 5] and done.steps == 5
+    assert [r["iteration"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4, 5]
+    fresh = CountingJob(tmp_path / "empty")
+    assert loop(tmp_path / "empty", total=1).run(fresh, resume=True).steps == 1
+    assert fresh.loaded == []
+
+
+def test_only_the_main_rank_writes_files(tmp_path):
+    job = CountingJob(tmp_path)
+    loop(tmp_path / "out", total=1, is_main=False).run(job)
+    assert not (tmp_path / "out").exists() and job.saved == [1]
