@@ -192,3 +192,25 @@ def test_dpo_resume_is_bit_identical_and_ipo_runs(tmp_path, runtime):
         assert torch.equal(a, b)
     ipo = DPOTrainer(dpo_cfg(tmp_path, rt, "dpo.loss_type=ipo", "dpo.steps=1", out="ipo")).fit()
     assert ipo["last"]["loss"] == pytest.approx((1 / (2 * 0.1)) ** 2, rel=1e-4)
+
+
+def test_each_command_s_own_defaults_live_in_the_config_tree():
+    """rlhflab grpo/rloo/dpo defaults come from config.stages.STAGE_DEFAULTS (they wrote to
+    runs/ppo before); a base, file or override wins field by field."""
+    from rlhflab.config import load_config
+
+    reward = {"functions": {"rlhflab.builtin.toy_rewards:vowel_reward": 1.0}}
+    for stage in ("grpo", "rloo"):
+        cfg = load_config(base={"reward": reward}, stage=stage)
+        assert cfg.log.output_dir == f"runs/{stage}"
+        assert cfg.ppo.advantage_estimator == stage and cfg.model.value_model == "none"
+        assert (cfg.ppo.kl_placement, cfg.ppo.kl_estimator, cfg.ppo.kl_coef) == ("loss", "k3", 0.04)
+        # one field of a section set by the caller keeps the stage's other fields of it
+        cfg = load_config(base={"reward": reward, "ppo": {"kl_coef": 0.1}}, stage=stage)
+        assert (cfg.ppo.kl_coef, cfg.ppo.kl_estimator) == (0.1, "k3")
+        cfg = load_config(
+            base={"reward": reward}, overrides=["log.output_dir=elsewhere"], stage=stage
+        )
+        assert cfg.log.output_dir == "elsewhere"
+    assert load_config(stage="dpo").log.output_dir == "runs/dpo"
+    assert load_config(base={"reward": reward}).log.output_dir == "runs/ppo"

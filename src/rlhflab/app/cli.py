@@ -39,7 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
             "memory", help="bytes of each model in the configured cast, and what one iteration adds"
         )
     )
-    sub.add_parser("config", help="print every PPO config field with its default and why")
+    sub.add_parser(
+        "config",
+        help="print every config field of every command with its default and why, and the "
+        "defaults that differ by command",
+    )
     _config_args(sub.add_parser("sft", help="supervised fine-tuning on response tokens"))
     rm = sub.add_parser("rm", help="Bradley-Terry reward-model training")
     _config_args(rm)
@@ -115,10 +119,18 @@ def cmd_memory(args) -> int:
 
 
 def cmd_config(args) -> int:
-    from rlhflab.config import Config
+    from rlhflab.config import STAGE_DEFAULTS, Config
     from rlhflab.config.base import describe
 
     print("\n".join(describe(Config)))
+    print("\ndefaults that differ by command (under the config file and the overrides):")
+    for stage, sections in STAGE_DEFAULTS.items():
+        fields = [
+            f"{section}.{key}={value!r}"
+            for section, values in sections.items()
+            for key, value in values.items()
+        ]
+        print(f"  rlhflab {stage}: {', '.join(fields)}")
     return 0
 
 
@@ -134,11 +146,11 @@ def cmd_ppo(args) -> int:
 
 def cmd_grpo(args) -> int:
     from rlhflab.config import load_config
-    from rlhflab.trainers.grpo import GRPO_BASE
     from rlhflab.trainers.ppo import train
 
-    # the command names the advantage estimator (ppo.advantage_estimator): one loop for all
-    cfg = load_config(args.config, args.overrides, base=GRPO_BASE, stage=args.command)
+    # the command names the advantage estimator (ppo.advantage_estimator): one loop for all;
+    # its other defaults are the stage's (config.stages.STAGE_DEFAULTS)
+    cfg = load_config(args.config, args.overrides, stage=args.command)
     summary = train(cfg, resume=args.resume)
     print(f"done: {summary['iterations']} iterations, output in {cfg.log.output_dir}")
     return 0
@@ -146,9 +158,9 @@ def cmd_grpo(args) -> int:
 
 def cmd_dpo(args) -> int:
     from rlhflab.config import load_config
-    from rlhflab.trainers.dpo import DPO_BASE, train
+    from rlhflab.trainers.dpo import train
 
-    cfg = load_config(args.config, args.overrides, base=DPO_BASE, stage="dpo")
+    cfg = load_config(args.config, args.overrides, stage="dpo")
     summary = train(cfg)
     last = summary["last"]
     print(
