@@ -1,9 +1,9 @@
 """A loss or gradient that is not finite halts every trainer the same way (issue #24).
 
 The command prints one line naming the trainer's step and the setting to lower, exits 2,
-and leaves the last good state intact: SFT and RM leave their output folder as it was and
-save the weights from before the bad step beside it (OUT/last-good), DPO and PPO keep their
-last complete checkpoint, loadable and finite. A learning rate of 1e30 on the nano preset
+and leaves the last good state intact: SFT and RM write no model into their output folder
+and save the weights from before the bad step in OUT/last-good; DPO checkpoints the last
+good state; PPO keeps its last complete checkpoint; all loadable and finite. A learning rate of 1e30 on the nano preset
 makes the loss or a gradient non-finite within three steps.
 """
 
@@ -54,8 +54,10 @@ def test_supervised_stages_halt_in_one_line_and_keep_the_last_good_weights(
     line = one_error_line(capsys)
     assert f"{trainer} step " in line and f"lower {command}.lr" in line, line
     assert "non-finite" in line
-    # the output folder as it was, and the weights from before the bad step beside it
-    assert sorted(p.name for p in out.iterdir()) == ["last-good", "previous.txt"]
+    # the output folder as it was (no model written into it), the weights from before the
+    # bad step beside it, and the run's log of the steps that were taken
+    assert sorted(p.name for p in out.iterdir()) == ["last-good", "previous.txt", "run"]
+    assert (out / "run" / "metrics.jsonl").is_file()
     assert (out / "previous.txt").read_text() == "an earlier model lives here"
     assert f"are in {out / 'last-good'}" in line
     assert finite_weights(out / "last-good")

@@ -44,9 +44,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="print every config field of every command with its default and why, and the "
         "defaults that differ by command",
     )
-    _config_args(sub.add_parser("sft", help="supervised fine-tuning on response tokens"))
+    sft = sub.add_parser("sft", help="supervised fine-tuning on response tokens")
+    _config_args(sft)
+    sft.add_argument(
+        "--resume", action="store_true", help="continue from the last checkpoint (OUT/run)"
+    )
     rm = sub.add_parser("rm", help="Bradley-Terry reward-model training")
     _config_args(rm)
+    rm.add_argument(
+        "--resume", action="store_true", help="continue from the last checkpoint (OUT/run)"
+    )
     rm.add_argument(
         "--check",
         action="store_true",
@@ -72,7 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
         q = sub.add_parser(name, help=text)
         _config_args(q)
         q.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
-    _config_args(sub.add_parser("dpo", help="DPO on preference pairs (policy + reference)"))
+    dpo = sub.add_parser("dpo", help="DPO on preference pairs (policy + reference)")
+    _config_args(dpo)
+    dpo.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     cmp_ = sub.add_parser("compare", help="PPO, GRPO, RLOO and DPO side by side on the task")
     cmp_.add_argument("--preset", default="quick", choices=sorted(PRESETS))
     cmp_.add_argument("--seed", type=int, default=0)
@@ -161,7 +170,7 @@ def cmd_dpo(args) -> int:
     from rlhflab.trainers.dpo import train
 
     cfg = load_config(args.config, args.overrides, stage="dpo")
-    summary = train(cfg)
+    summary = train(cfg, resume=args.resume)
     last = summary["last"]
     print(
         f"done: {summary['steps']} steps; reward accuracy {last['rewards/accuracy']:.3f}, "
@@ -174,7 +183,7 @@ def cmd_sft(args) -> int:
     from rlhflab.config import load_config
     from rlhflab.trainers.sft import train_sft
 
-    result = train_sft(load_config(args.config, args.overrides, stage="sft"))
+    result = train_sft(load_config(args.config, args.overrides, stage="sft"), args.resume)
     print(
         f"SFT loss {result['loss_first']:.3f} → {result['loss_last']:.3f}; "
         f"model saved to {result['output_dir']}"
@@ -191,7 +200,7 @@ def cmd_rm(args) -> int:
         print(format_checks(check_reward_model(cfg)))
         print(f"written to {os.path.join(cfg.log.output_dir, 'rm_checks.json')}")
         return 0
-    result = train_rm(cfg)
+    result = train_rm(cfg, args.resume)
     acc = ", ".join(f"{k} {v:.3f}" for k, v in result["heldout_accuracy"].items())
     print(f"held-out pairwise accuracy: {acc}; model saved to {result['output_dir']}")
     print(format_checks(result["heldout_checks"]))

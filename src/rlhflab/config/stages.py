@@ -60,6 +60,12 @@ class SFTConfig:
         low_open=True,
     )
     warmup_steps: int = setting(30, "Linear warm-up steps, then cosine decay.", low=0)
+    checkpoint_every: int = setting(
+        200,
+        "Checkpoint every N steps (and at the end) into OUTPUT_DIR/run/checkpoints, with "
+        "metrics.jsonl beside them, so that --resume continues exactly; log.keep_last applies.",
+        low=1,
+    )
 
 
 @dataclass
@@ -106,6 +112,12 @@ class RMConfig:
     batch_size: int = setting(32, "Pairs per step.", low=1)
     lr: float = setting(5e-4, "Learning rate.", low=0.0, low_open=True)
     warmup_steps: int = setting(20, "Linear warm-up steps, then cosine decay.", low=0)
+    checkpoint_every: int = setting(
+        200,
+        "Checkpoint every N steps (and at the end) into OUTPUT_DIR/run/checkpoints, with "
+        "metrics.jsonl beside them, so that --resume continues exactly; log.keep_last applies.",
+        low=1,
+    )
 
 
 # Defaults that differ by command. They lie under the caller's base, the config file and the

@@ -13,7 +13,6 @@ import json
 import logging
 import math
 import random
-import time
 from pathlib import Path
 
 import torch
@@ -27,14 +26,7 @@ from rlhflab.experience.data import DataError, PreferencePair, load_preferences
 from rlhflab.experience.rewards import FunctionReward, RewardBatch, encode_for_reward, reward_scores
 from rlhflab.infra.distributed import resolve_device
 from rlhflab.models.build import finish_models, load_model, load_tokenizer_for, to_trained
-from rlhflab.trainers.common import (
-    Halt,
-    build_optimizer_simple,
-    build_scheduler,
-    keep_last_good,
-    progress,
-    supervised_step,
-)
+from rlhflab.trainers.supervised import SupervisedTrainer
 
 log = logging.getLogger(__name__)
 
@@ -243,7 +235,7 @@ def format_checks(checks: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
-def train_rm(cfg: Config) -> dict:
+def train_rm(cfg: Config, resume: bool = False) -> dict:
     r = cfg.rm
     torch.manual_seed(cfg.seed)
     device = resolve_device(cfg.device)
@@ -271,41 +263,26 @@ def train_rm(cfg: Config) -> dict:
         raise DataError(f"{where}: too few pairs to hold out {len(held)} and still train")
     train_t, held_t = head_targets(train, heads, where), head_targets(held, heads, where)
     weights = [r.heads[h] for h in heads]
-    opt = build_optimizer_simple(model.parameters(), r.lr)
-    sched = build_scheduler(opt, r.warmup_steps, r.steps, "cosine")
-    gen = torch.Generator().manual_seed(cfg.seed)
-    start, losses = time.perf_counter(), []
-    out = Path(r.output_dir)
-    # the model is written once, after the last step; a halt keeps the last good weights
-    halt = Halt("RM", "rm.lr", keep_last_good(model, tokenizer, out))
-    bar = progress(range(r.steps), cfg.log.progress, "RM")
-    for step in bar:
-        idx = torch.randint(len(train), (r.batch_size,), generator=gen)
+
+    def batch_loss(idx: list[int]) -> torch.Tensor:
         loss, _ = pair_loss(
-            model,
-            tokenizer,
-            [train[i] for i in idx.tolist()],
-            train_t[idx],
-            weights,
-            r.margin,
-            device,
+            model, tokenizer, [train[i] for i in idx], train_t[idx], weights, r.margin, device
         )
-        losses.append(supervised_step(model, opt, sched, loss, step + 1, halt))
-        if hasattr(bar, "set_postfix") and step % 10 == 0:
-            bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        return loss
+
+    trainer = SupervisedTrainer(cfg, "rm", model, tokenizer, len(train), batch_loss)
+    done = trainer.fit(resume)
+    out = trainer.out
     checks = check_heldout(model, tokenizer, held, held_t, heads, cfg, device)
     accuracy = {h: checks[h]["accuracy"] for h in heads if checks[h]["pairs"]}
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
     plain = write_checks(checks, out)
     result = {
         "heldout_accuracy": accuracy,
         "heldout_checks": plain,
         "pairs": len(pairs),
         "heldout_pairs": len(held),
-        "loss_last": sum(losses[-20:]) / len(losses[-20:]),
-        "seconds": time.perf_counter() - start,
+        "loss_last": trainer.recent_loss(),
+        "seconds": done.seconds,
         "output_dir": str(out),
     }
     log.info(

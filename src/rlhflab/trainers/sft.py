@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import logging
 import random
-import time
-from pathlib import Path
 
 import torch
 
@@ -20,14 +18,7 @@ from rlhflab.core import algorithms as A
 from rlhflab.experience.data import DataError, iter_rows
 from rlhflab.infra.distributed import resolve_device
 from rlhflab.models.build import finish_models, load_model, load_tokenizer_for, to_trained
-from rlhflab.trainers.common import (
-    Halt,
-    build_optimizer_simple,
-    build_scheduler,
-    keep_last_good,
-    progress,
-    supervised_step,
-)
+from rlhflab.trainers.supervised import SupervisedTrainer
 
 log = logging.getLogger(__name__)
 
@@ -82,11 +73,12 @@ def response_nll(model, tokenizer, pairs, device) -> torch.Tensor:
     return -A.masked_mean(logp, loss_mask[:, 1:])
 
 
-def train_sft(cfg: Config) -> dict:
+def sft_trainer(cfg: Config) -> SupervisedTrainer:
+    """The SFT run of ``cfg``: the data read first (a bad row is reported before any model
+    is loaded), then the policy, prepared as every command prepares it."""
     s = cfg.sft
     torch.manual_seed(cfg.seed)
     device = resolve_device(cfg.device)
-    # a data file is read before the model is loaded: a bad row is reported in seconds
     pairs = load_sft_pairs(s.data) if s.data else None
     tokenizer = load_tokenizer_for(cfg.model.policy, cfg.model)
     model = load_model(cfg.model.policy, tokenizer, cfg.model)
@@ -94,32 +86,29 @@ def train_sft(cfg: Config) -> dict:
     model = to_trained(model, device, "the SFT policy")
     if pairs is None:
         pairs = builtin_sft_pairs(s.examples, cfg.seed)
-    opt = build_optimizer_simple(model.parameters(), s.lr)
-    sched = build_scheduler(opt, s.warmup_steps, s.steps, "cosine")
-    gen = torch.Generator().manual_seed(cfg.seed)
-    losses, start = [], time.perf_counter()
-    out = Path(s.output_dir)
-    # the model is written once, after the last step; a halt keeps the last good weights
-    halt = Halt("SFT", "sft.lr", keep_last_good(model, tokenizer, out))
-    bar = progress(range(s.steps), cfg.log.progress, "SFT")
-    for step in bar:
-        idx = torch.randint(len(pairs), (s.batch_size,), generator=gen).tolist()
-        loss = response_nll(model, tokenizer, [pairs[i] for i in idx], device)
-        losses.append(supervised_step(model, opt, sched, loss, step + 1, halt))
-        if hasattr(bar, "set_postfix") and step % 10 == 0:
-            bar.set_postfix(loss=f"{losses[-1]:.3f}")
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
+
+    def batch_loss(idx: list[int]) -> torch.Tensor:
+        return response_nll(model, tokenizer, [pairs[i] for i in idx], device)
+
+    return SupervisedTrainer(cfg, "sft", model, tokenizer, len(pairs), batch_loss)
+
+
+def train_sft(cfg: Config, resume: bool = False) -> dict:
+    """``rlhflab sft``: train, write the model to ``sft.output_dir``, summarise."""
+    trainer = sft_trainer(cfg)
+    done = trainer.fit(resume)
     result = {
-        "loss_first": losses[0],
-        "loss_last": sum(losses[-20:]) / len(losses[-20:]),
-        "steps": s.steps,
-        "examples": len(pairs),
-        "seconds": time.perf_counter() - start,
-        "output_dir": str(out),
+        "loss_first": trainer.losses[0],
+        "loss_last": trainer.recent_loss(),
+        "steps": done.steps,
+        "examples": trainer.n_examples,
+        "seconds": done.seconds,
+        "output_dir": str(trainer.out),
     }
     log.info(
-        "SFT done: loss %.3f → %.3f, saved to %s", result["loss_first"], result["loss_last"], out
+        "SFT done: loss %.3f → %.3f, saved to %s",
+        result["loss_first"],
+        result["loss_last"],
+        trainer.out,
     )
     return result

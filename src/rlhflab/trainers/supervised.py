@@ -1,0 +1,133 @@
+"""The supervised stages' trainer: SFT and reward-model training on :class:`RunLoop`.
+
+Both draw a random batch, compute one loss and take one AdamW step, for a fixed number of
+steps; what differs is the loss (``batch_loss``). Like PPO and DPO, they log to
+``metrics.jsonl``, checkpoint (weights, optimiser, schedule, RNG) at
+``<stage>.checkpoint_every`` steps and resume exactly with ``--resume``; their run files sit in
+``OUTPUT_DIR/run`` so that ``OUTPUT_DIR`` itself stays a plain Hugging Face folder, written
+once at the end. A loss or gradient that is not finite halts the run (:class:`Halt`) with the
+last good weights in ``OUTPUT_DIR/last-good``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from rlhflab.config import Config
+from rlhflab.config.base import to_dict
+from rlhflab.infra import checkpoint as C
+from rlhflab.trainers.common import (
+    Halt,
+    build_optimizer_simple,
+    build_scheduler,
+    keep_last_good,
+    supervised_step,
+)
+from rlhflab.trainers.loop import RunLoop, RunResult
+
+RUN = "run"  # OUTPUT_DIR/run: metrics.jsonl, config.yaml, checkpoints/
+
+
+class SupervisedTrainer:
+    """``steps`` AdamW steps on ``batch_loss(indices)`` over ``n_examples`` examples.
+
+    ``stage`` names the command ("sft", "rm"): its config section gives ``lr``,
+    ``warmup_steps``, ``steps``, ``batch_size``, ``checkpoint_every`` and ``output_dir``.
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        stage: str,
+        model,
+        tokenizer,
+        n_examples: int,
+        batch_loss: Callable[[list[int]], torch.Tensor],
+    ):
+        self.cfg, self.stage = cfg, stage
+        self.section = getattr(cfg, stage)
+        self.model, self.tokenizer = model, tokenizer
+        self.n_examples, self.batch_loss = n_examples, batch_loss
+        s = self.section
+        self.opt = build_optimizer_simple(model.parameters(), s.lr)
+        self.sched = build_scheduler(self.opt, s.warmup_steps, s.steps, "cosine")
+        self.gens = {"batch": torch.Generator().manual_seed(cfg.seed)}
+        self.out = Path(s.output_dir)
+        self.run_dir = self.out / RUN
+        self.iteration = 0
+        self.stop_reason: str | None = None  # a supervised stage runs its steps to the end
+        self.losses: list[float] = []
+        self.halt = Halt(stage.upper(), f"{stage}.lr", keep_last_good(model, tokenizer, self.out))
+        # what the checkpoint code saves: a policy-like model, no critic
+        self._cast = SimpleNamespace(
+            policy=model, policy_lm=model, critic=None, tokenizer=tokenizer
+        )
+
+    def step(self) -> dict[str, float]:
+        batch = self.section.batch_size
+        idx = torch.randint(self.n_examples, (batch,), generator=self.gens["batch"]).tolist()
+        loss = self.batch_loss(idx)
+        value = supervised_step(
+            self.model, self.opt, self.sched, loss, self.iteration + 1, self.halt
+        )
+        self.losses.append(value)
+        return {"loss": value, "lr": self.opt.param_groups[0]["lr"]}
+
+    def state_dict(self) -> dict:
+        return {
+            "iteration": self.iteration,
+            "optim": self.opt.state_dict(),
+            "sched": self.sched.state_dict(),
+            "rng": C.rng_state(self.gens),
+            "losses": list(self.losses),
+        }
+
+    def load_state_dict(self, s: dict) -> None:
+        self.iteration = int(s["iteration"])
+        self.opt.load_state_dict(s["optim"])
+        self.sched.load_state_dict(s["sched"])
+        C.restore_rng(s["rng"], self.gens)
+        self.losses = [float(x) for x in s["losses"]]
+
+    def save(self, step: int) -> Path:
+        return C.save_checkpoint(
+            self.run_dir, step, self._cast, self.state_dict(), self.cfg.log.keep_last
+        )
+
+    def load_checkpoint(self, path: Path) -> None:
+        self.load_state_dict(C.load_checkpoint(path, self._cast))
+
+    def fit(self, resume: bool = False) -> RunResult:
+        """Run the steps (from the newest whole checkpoint with ``resume``), then write
+        the model and tokenizer to ``OUTPUT_DIR``."""
+        log_cfg = dataclasses.replace(
+            self.cfg.log,
+            output_dir=str(self.run_dir),
+            checkpoint_every=self.section.checkpoint_every,
+        )
+        loop = RunLoop(
+            self.run_dir,
+            self.section.steps,
+            log_cfg,
+            to_dict(self.cfg),
+            self.stage.upper(),
+            postfix=lambda m: {"loss": f"{m['loss']:.3f}"},
+        )
+        start = time.perf_counter()
+        done = loop.run(self, resume)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(self.out, safe_serialization=True)
+        self.tokenizer.save_pretrained(self.out)
+        done.seconds = time.perf_counter() - start
+        return done
+
+    def recent_loss(self, n: int = 20) -> float:
+        """Mean of the last ``n`` steps' losses (the run's, resumed steps included)."""
+        tail = self.losses[-n:]
+        return sum(tail) / len(tail)
