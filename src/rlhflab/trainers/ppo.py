@@ -1,12 +1,10 @@
-"""Online RLHF with PPO's update. One iteration (:meth:`PPOTrainer.step`) reads top to bottom:
-1 generate → 2 score → 3 missing-EOS penalty → 4 score normalisation → 5 KL shaping →
-6 advantages → 7 whitening → 8 PPO epochs → 9 metrics → 10 KL controller; the run loop
-(:mod:`~.loop`) adds 11, the checkpoint. Steps 5–7 are the estimator ppo.advantage_estimator
-names (:mod:`rlhflab.core.advantages`): gae (PPO, a critic), or grpo / rloo (group baselines, no
-critic; each prompt grpo.group_size times in a row). The trainer holds its parts:
-:class:`~.ppo_epochs.PPOUpdate` (step 8; optimisers in :class:`~.update_guard.GuardedUpdate`),
-:class:`~.ppo_watch.PPOWatch` (the monitor) and :class:`~.runstate.CastCheckpoints`. Every
-detail is a field of :class:`rlhflab.config.Config`; the maths is in :mod:`rlhflab.core.algorithms`.
+"""Online RLHF with PPO's update. :meth:`PPOTrainer.step` reads top to bottom: 1 generate →
+2 score → 3 missing-EOS penalty → 4 score normalisation → 5–7 the estimator that
+ppo.advantage_estimator names (:mod:`rlhflab.core.advantages`: gae with a critic, or the
+group baselines grpo / rloo) → 8 PPO epochs → 9 metrics → 10 KL controller; the run loop
+(:mod:`~.loop`) adds 11, the checkpoint. The trainer holds its parts: :class:`~.ppo_epochs.PPOUpdate`
+(step 8; optimisers in :class:`~.update_guard.GuardedUpdate`), :class:`~.ppo_watch.PPOWatch`
+and :class:`~.runstate.CastCheckpoints`. The maths is in :mod:`rlhflab.core.algorithms`.
 """
 
 from __future__ import annotations
