@@ -284,3 +284,28 @@ def test_grpo_runs_on_two_ranks(tmp_path, runtime, strategy, checkpointing):
     )
     torchrun(2, "grpo", str(run), "ppo.iterations=2", *over)
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_a_user_error_on_two_ranks_is_said_once_without_a_traceback(tmp_path):
+    # every rank meets the same refusal (here the per-rank split, before any model loads):
+    # rank 0 prints the one line, and every rank leaves the process group as on success
+    config = tmp_path / "ppo.yaml"
+    config.write_text(
+        "device: cpu\n"
+        "model: {policy: 'preset:nano', value_model: separate}\n"
+        "reward: {functions: {'rlhflab.builtin.toy_rewards:vowel_reward': 1.0}}\n"
+        "rollout: {prompts_per_iteration: 6, max_new_tokens: 6}\n"
+        "ppo: {iterations: 2, epochs: 1, minibatches: 2}\n"
+        f"log: {{output_dir: '{tmp_path / 'run'}', progress: false}}\n"
+    )
+    path = os.pathsep.join([str(ROOT / "src"), str(ROOT)])
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "RLHFLAB_ALLOCATOR": "system"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    cmd += ["--standalone", "-m", "rlhflab", "ppo", "--config", str(config)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0
+    ours = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert len(ours) == 1 and "ppo.minibatches" in ours[0], done.stderr[-4000:]
+    # no traceback through rlhflab's code (torchrun's own report of a failed child may follow)
+    assert not any('File "' in ln and "rlhflab/" in ln for ln in done.stderr.splitlines())
+    assert "terminate called" not in done.stderr

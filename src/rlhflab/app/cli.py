@@ -319,8 +319,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = COMMANDS[args.command](args)
     except user_errors() as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        # under torchrun every rank meets the same user error (same config, same files, and
+        # halts decided on metrics averaged over ranks): rank 0 says it, once
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {exc}", file=sys.stderr)
+        code = 2
     from rlhflab.infra.distributed import exit_without_teardown, shutdown_distributed
 
     # under torchrun: leave the process group; as the command line, then also skip the
