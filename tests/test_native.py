@@ -313,6 +313,11 @@ def test_pad_queries_see_themselves_so_no_row_is_empty():
 def test_native_ppo_run_never_imports_transformers_modelling(tmp_path, checkpointing):
     """The point of the runtime: a whole PPO iteration without transformers' model code or
     torch's compiler stack (sympy), activation checkpointing included."""
+    # the preset built here first: building it (once per cache) runs transformers' own model
+    # code, which the run itself must not need
+    from rlhflab.models.presets import preset_path
+
+    preset_path("nano")
     script = f"""
 import sys
 from rlhflab.config import load_config
