@@ -12,7 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from rlhflab.core import algorithms as A
-from rlhflab.models import module_bytes
+from rlhflab.experience.rollout import answer_values, opener_logprobs, policy_outputs
+from rlhflab.models import causal_forward, module_bytes
 
 
 def peak_rss_bytes() -> int:
@@ -202,9 +203,6 @@ def iteration_memory(cast, cfg) -> list[PhaseMemory]:
 
     The measured forwards run on random token ids of those shapes; nothing is updated.
     """
-    from rlhflab.experience.rollout import answer_values, opener_logprobs, policy_outputs
-    from rlhflab.models import causal_forward
-
     r, p = cfg.rollout, cfg.ppo
     lm_cfg, itemsize = _lm_config(cast.policy), _itemsize(cast.policy)
     P, T, n = r.max_prompt_tokens, r.max_new_tokens, r.prompts_per_iteration

@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rlhflab.experience.rewards import RewardBatch
+
 log = logging.getLogger(__name__)
 
 DEFAULT_PHRASES = [
@@ -182,8 +184,6 @@ class HackingMonitor:
         out["distinct_n"] = distinct_n(tokens, mc.ngram)
         out["reward_length_corr"] = pearson(rollout.scores, lengths)
         if self.gold_fn is not None:
-            from rlhflab.experience.rewards import RewardBatch
-
             parts = self.gold_fn(RewardBatch(rollout.prompts, rollout.responses))
             gold = sum(parts.values()).float().mean()
             out["gold"] = float(gold)

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rlhflab.config.base import ConfigError
+from rlhflab.models import CriticValues, PolicyWithValueHead
 
 
 @dataclass
@@ -205,8 +206,6 @@ def global_batch_moments(x: torch.Tensor, ctx) -> tuple[int, float, float]:
 def decoder_layers(module: nn.Module) -> list[nn.Module]:
     """The transformer blocks of an HF model (``base_model.layers``), seen through rlhflab's
     PolicyWithValueHead / CriticValues wrappers."""
-    from rlhflab.models import CriticValues, PolicyWithValueHead
-
     core = module
     if isinstance(module, PolicyWithValueHead):
         core = module.lm
@@ -231,8 +230,6 @@ def shard(module: nn.Module, mixed_precision: str = "none") -> nn.Module:
     them still sharded — "aten.embedding got mixed torch.Tensor and DTensor" — until
     2026-12-05)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    from rlhflab.models import PolicyWithValueHead
 
     dtypes = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
     mp = MixedPrecisionPolicy(

@@ -15,6 +15,9 @@ from pathlib import Path
 
 import torch
 
+from rlhflab.builtin import tasks
+from rlhflab.models.prepare import quiet_transformers
+
 # name → LlamaConfig fields. Parameter counts (tied embeddings, the ~440-token vocabulary
 # the BPE trainer reaches on the task corpus) are pinned by tests/test_models.py.
 PRESETS: dict[str, dict] = {
@@ -58,8 +61,6 @@ _FORMAT_VERSION = "1"
 
 def default_corpus() -> list[str]:
     """Text the preset tokenizer is trained on: the built-in task's vocabulary and phrases."""
-    from rlhflab.builtin import tasks
-
     return tasks.tokenizer_corpus()
 
 
@@ -136,8 +137,6 @@ def build_preset(
         )
         model = LlamaForSequenceClassification(cfg)
     out.mkdir(parents=True, exist_ok=True)
-    from rlhflab.models.prepare import quiet_transformers
-
     quiet_transformers()
     _write_model(model, out)
     tokenizer.save_pretrained(out)

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from rlhflab.backends.optim import FusedAdamW, LambdaSchedule
+from rlhflab.builtin import tasks
 from rlhflab.config import Config
 from rlhflab.experience.data import PromptStream, load_prompts
 
@@ -150,8 +151,6 @@ def load_prompt_set(cfg: Config, tokenizer) -> PromptStream:
             cfg.data.on_bad_row,
         )
     else:
-        from rlhflab.builtin import tasks
-
         prompts = [ex.prompt for ex in tasks.make_examples(2000, seed=cfg.seed + 101)]
     return PromptStream(prompts, cfg.rollout.prompts_per_iteration, cfg.seed)
 
