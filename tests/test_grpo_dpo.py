@@ -130,7 +130,7 @@ def test_reused_training_forward_replaces_the_scoring_forward(tmp_path):
         t.fit()
         runs[reuse] = (t, calls, read_jsonl(tmp_path / str(reuse) / "metrics.jsonl"))
     (t_on, calls_on, rows_on), (t_off, calls_off, rows_off) = runs[True], runs[False]
-    assert t_on._reuse_training_forward() and not t_off._reuse_training_forward()
+    assert t_on.reuses_training_forward() and not t_off.reuses_training_forward()
     # sampling (a prefill and 7 cached steps), [scoring], training; opener probe off
     scoring = math.ceil(16 / t_off.cfg.rollout.score_micro_batch)
     assert [b - a for a, b in zip(calls_on, calls_off)] == [scoring] * 3, (calls_on, calls_off)

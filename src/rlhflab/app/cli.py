@@ -21,6 +21,8 @@ def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides")
 
 
+# Long (about 85 lines) because it declares every subcommand and its flags in one place,
+# a few lines each; the commands themselves are the cmd_* functions below.
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlhflab", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

@@ -53,6 +53,8 @@ class Config:
     rm: RMConfig = section(RMConfig, "Reward-model training (rlhflab rm).")
 
 
+# Long (about 80 lines): one flat list of the cross-field rules, each a few lines with its
+# message, read top to bottom; split, the rules would hide from one another.
 def validate(cfg: Config, stage: str = "ppo") -> Config:
     """Cross-field checks that single-field bounds cannot express (for the given stage)."""
     if cfg.model.runtime == "native" and (cfg.model.lora_r or cfg.model.trust_remote_code):

@@ -159,7 +159,7 @@ class PPOTrainer:
     def step(self) -> dict[str, float]:
         """One iteration, steps 1–10; returns its metrics, averaged over every rank."""
         prompts = self._local_share(self.next_prompts())
-        reuse = self._reuse_training_forward()  # old log-probs then come from step 8
+        reuse = self.reuses_training_forward()  # old log-probs then come from step 8
         times: dict[str, float] = {}
         # 1. generate (with rollout.logprobs_from_sampling, also the old log-probs)
         t0 = time.perf_counter()
@@ -293,7 +293,7 @@ class PPOTrainer:
         if rollout.old_logprobs is None or not self.update.reuse_filled.all():
             score_policy(self.cast.policy, rollout, r.temperature, r.score_micro_batch)
 
-    def _reuse_training_forward(self) -> bool:
+    def reuses_training_forward(self) -> bool:
         """Whether step 8's forward can supply the old log-probs (ppo.reuse_training_forward):
         one update on the sampling weights, no values needed for the advantages, and no KL
         in the reward (which would need the old log-probs before the advantages)."""
