@@ -392,7 +392,7 @@ def test_read_safetensors_names_the_file_and_tensor_of_bad_data(tmp_path):
 def test_resume_copies_each_saved_tensor_into_the_model_and_names_a_mismatch(tmp_path, gqa_folder):
     from safetensors.torch import load_file, save_file
 
-    from rlhflab.infra.checkpoint import _load_into
+    from rlhflab.infra.checkpoint import load_weights_into
 
     model = load_native(gqa_folder, "causal")
     saved = load_file(str(gqa_folder / "model.safetensors"))
@@ -400,7 +400,7 @@ def test_resume_copies_each_saved_tensor_into_the_model_and_names_a_mismatch(tmp
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()
-    _load_into(model, gqa_folder)
+    load_weights_into(model, gqa_folder)
     state = model.state_dict()
     assert saved and all(torch.equal(state[k], v) for k, v in saved.items())
     assert {k: v.data_ptr() for k, v in state.items()} == where  # in place, no new tensors
@@ -409,8 +409,8 @@ def test_resume_copies_each_saved_tensor_into_the_model_and_names_a_mismatch(tmp
     name = "model.norm.weight"
     save_file({**saved, name: torch.ones(3)}, str(bad / "model.safetensors"))
     with pytest.raises(RuntimeError, match=rf"model.safetensors: tensor '{name}' has shape \[3\]"):
-        _load_into(model, bad)
+        load_weights_into(model, bad)
     rest = {k: v for k, v in saved.items() if k != name}
     save_file({**rest, "extra": torch.ones(1)}, str(bad / "model.safetensors"))
     with pytest.raises(RuntimeError, match=rf"missing \['{name}'\], unexpected \['extra'\]"):
-        _load_into(model, bad)
+        load_weights_into(model, bad)

@@ -202,7 +202,7 @@ def read_weights(folder: Path, name: str | None = None) -> dict:
     return weights
 
 
-def _load_into(model, folder: Path) -> None:
+def load_weights_into(model, folder: Path) -> None:
     """Copy a saved folder's weights into ``model`` in place, one tensor at a time.
 
     Each tensor is read from the file, copied into the model and dropped before the next
@@ -244,11 +244,11 @@ def _load_into(model, folder: Path) -> None:
 
 def load_checkpoint(path: Path, cast) -> dict:
     """Load weights into the cast in place and return the training state."""
-    _load_into(cast.policy_lm, path / "policy")
+    load_weights_into(cast.policy_lm, path / "policy")
     if isinstance(cast.policy, PolicyWithValueHead):
         cast.policy.value_head.load_state_dict(load_file(str(path / "value_head.safetensors")))
     if cast.critic is not None:
-        _load_into(cast.critic, path / "critic")
+        load_weights_into(cast.critic, path / "critic")
     return read_state(path)
 
 
