@@ -273,3 +273,58 @@ def test_rm_init_with_a_head_of_another_size_is_one_line(tmp_path, capsys, nano_
     line = error_line(capsys)
     assert str(nano_rm) in line and "3 outputs where 1" in line, line
     assert not out.exists()
+
+
+# ----------------------------------------------------------------------------- pad == EOS
+
+
+def eos_pads(folder, how: str):
+    """The nano preset as many real checkpoints ship: the pad token is the EOS ("shared"),
+    or there is none ("missing")."""
+    shutil.copytree(preset_path("nano"), folder)
+    tok_cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    model_cfg = json.loads((folder / "config.json").read_text())
+    if how == "shared":
+        tok_cfg["pad_token"] = tok_cfg["eos_token"]
+        model_cfg["pad_token_id"] = model_cfg["eos_token_id"]
+    else:
+        tok_cfg.pop("pad_token")
+        model_cfg.pop("pad_token_id", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    (folder / "config.json").write_text(json.dumps(model_cfg))
+    return folder
+
+
+@pytest.mark.parametrize("how", ["shared", "missing"])
+def test_a_pad_equal_to_eos_keeps_the_vocabulary_and_the_eos_in_the_mask(tmp_path, how):
+    """Padding is a matter of masks (issue #26): no token is added, no embedding grows, a
+    LoRA checkpoint holds no embedding, and an answer that ended keeps its EOS in the mask."""
+    from rlhflab.trainers.ppo import PPOTrainer
+    from tests.test_ppo import make_cfg
+
+    folder = eos_pads(tmp_path / "eos-pads", how)
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    tok = M.load_tokenizer(folder)
+    assert tok.pad_token_id == tok.eos_token_id and len(tok) == vocab
+    t = PPOTrainer(
+        make_cfg(
+            tmp_path,
+            f"model.policy={folder}",
+            "model.lora_r=4",
+            "ppo.iterations=2",
+            "rollout.temperature=2.0",  # some answers end early, some are cut at the limit
+        )
+    )
+    t.fit()
+    assert t.cast.policy_lm.get_input_embeddings().weight.shape[0] == vocab
+    ro = t.last_rollout
+    lengths = ro.response_mask.sum(1)
+    for i in range(len(ro)):
+        last = ro.response_ids[i, lengths[i] - 1].item()
+        assert (last == tok.eos_token_id) == bool(ro.ended[i]), i
+    # the LoRA policy's checkpoint is the adapter alone: no embedding or output matrix
+    from safetensors.torch import load_file
+
+    policy = tmp_path / "run" / "checkpoints" / "step-2" / "policy"
+    saved = [k for f in policy.glob("*.safetensors") for k in load_file(str(f))]
+    assert saved and all("lora_" in k for k in saved), saved

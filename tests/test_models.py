@@ -54,13 +54,16 @@ def test_an_incomplete_cached_preset_is_rebuilt_in_its_place(tmp_path, monkeypat
     assert [p.name for p in (tmp_path / "presets").iterdir()] == [final.name]  # nothing left
 
 
-def test_pad_is_distinct_from_eos_after_loading_any_tokenizer(tmp_path):
+def test_a_tokenizer_without_its_own_pad_token_keeps_its_vocabulary(tmp_path):
+    # issue #26 reversed the old rule (a new pad token, distinct from EOS): padding is a
+    # matter of masks, so EOS pads where the folder names no pad, and no token is added
     tok = presets.build_tokenizer(["a b c"] * 5, vocab_size=300)
     for variant, pad in (("none", None), ("eos", tok.eos_token)):
         tok.pad_token = pad
         tok.save_pretrained(tmp_path / variant)
         loaded = M.load_tokenizer(tmp_path / variant)
-        assert loaded.pad_token_id is not None and loaded.pad_token_id != loaded.eos_token_id
+        assert loaded.pad_token_id == loaded.eos_token_id
+        assert len(loaded) == len(tok) and loaded.get_vocab() == tok.get_vocab()
 
 
 def test_missing_folder_gets_a_clear_error(tmp_path):

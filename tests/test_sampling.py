@@ -54,3 +54,30 @@ def test_sampling_scores_equal_a_full_forward(runtime, shared):
 def test_sampling_scores_need_both_lm_and_head():
     with pytest.raises(ValueError, match="both the LM and the value head"):
         SamplingScores(lm=torch.nn.Linear(2, 2))
+
+
+def test_an_eos_that_is_also_the_pad_token_stays_in_the_mask():
+    """Checkpoints whose pad id is the EOS id (issue #26): the answer mask comes from the
+    first EOS, not from ``ids != pad``, so an ended answer keeps its EOS and what follows
+    is padding."""
+    path = M.resolve_path("preset:nano")
+    tok = M.load_tokenizer(path)
+    lm = M.load_causal_lm(path, tok)
+    encoded = [tok(p, add_special_tokens=False)["input_ids"] for p in ["2 + 2", "the cat sat"]]
+    ids, mask = left_pad(encoded, tok.pad_token_id)
+    greedy = 1e-4  # a temperature this low samples the most likely token
+
+    def run(eos):
+        gen = torch.Generator().manual_seed(0)
+        return sample(lm, ids, mask, 6, eos, eos if eos is not None else 0, greedy, generator=gen)
+
+    first, _, _ = run(None)
+    eos = int(first[0, 0])  # row 0's first token plays EOS and pad at once
+    resp, rmask, ended = run(eos)
+    assert bool(ended[0]) and int(rmask[0].sum()) == 1 and int(resp[0, 0]) == eos
+    for i in range(len(resp)):
+        n = int(rmask[i].sum())
+        assert rmask[i, :n].all() and not rmask[i, n:].any()  # a prefix, then padding
+        assert bool(ended[i]) == (int(resp[i, n - 1]) == eos and n <= 6)
+        hits = (first[i, :n] == eos).nonzero()
+        assert (int(hits[0]) + 1 if len(hits) else 6) == n  # up to and including the 1st EOS

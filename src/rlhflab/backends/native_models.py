@@ -148,11 +148,18 @@ class NativeLlamaForSequenceClassification(_NativePreTrained):
         self.score = nn.Linear(cfg.hidden_size, cfg.num_labels, bias=False)
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, **_) -> NativeOutput:
-        """Scores (B, num_labels) at each row's last non-pad token (transformers' pooling)."""
+        """Scores (B, num_labels) at each row's last real token: the last 1 of the attention
+        mask (where the pad id may equal EOS, ids cannot tell padding apart); without a
+        mask, the last token that is not the pad id (transformers' pooling)."""
         h = self.model(input_ids, attention_mask, position_ids).last_hidden_state
         scores = self.score(h)
         pad = getattr(self.config, "pad_token_id", None)
-        real = input_ids != pad if pad is not None else torch.ones_like(input_ids, dtype=torch.bool)
+        if attention_mask is not None:
+            real = attention_mask.bool()
+        elif pad is not None:
+            real = input_ids != pad
+        else:
+            real = torch.ones_like(input_ids, dtype=torch.bool)
         last = (torch.arange(input_ids.shape[1], device=h.device) * real).argmax(-1)
         return NativeOutput(logits=scores[torch.arange(len(last), device=h.device), last])
 

@@ -21,7 +21,7 @@ from rlhflab.models.prepare import (
     first_line,
     hf_load,
 )
-from rlhflab.models.presets import PAD, preset_path
+from rlhflab.models.presets import preset_path
 
 
 def _owned_memory_kwargs() -> dict:
@@ -86,7 +86,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 def load_tokenizer(
     path: str | Path, trust_remote_code: bool = False, runtime: str = "transformers"
 ):
-    """Tokenizer with a pad token distinct from EOS (one is added when missing or shared).
+    """The folder's tokenizer, vocabulary as it is; without a pad token, EOS pads.
 
     With ``runtime='native'`` a folder with a ``tokenizer.json`` is read by the generic
     fast tokenizer class directly: ``AutoTokenizer`` would first resolve the model's config
@@ -111,9 +111,13 @@ def load_tokenizer(
         ) from None
     if tok.eos_token_id is None:
         raise ModelLoadError(f"{path}: the tokenizer has no EOS token; answers could never end")
-    if tok.pad_token_id is None or tok.pad_token_id == tok.eos_token_id:
-        # Sharing pad and EOS makes the EOS look like padding and drop out of the mask.
-        tok.add_special_tokens({"pad_token": PAD})
+    if tok.pad_token_id is None:
+        # Padding is a matter of masks: every forward and every loss in rlhflab takes a mask
+        # built from lengths, never from ``ids != pad`` (docs/ppo-details.md §1.2), so an
+        # existing token can fill the padded positions, as EOS does in many checkpoints
+        # (SmolLM2, Llama 3). A new token would resize the embeddings, could be sampled,
+        # and would make a LoRA checkpoint carry the whole embedding matrix.
+        tok.pad_token = tok.eos_token
     return tok
 
 
