@@ -79,3 +79,22 @@ def test_only_the_main_rank_writes_files(tmp_path):
     job = CountingJob(tmp_path)
     loop(tmp_path / "out", total=1, is_main=False).run(job)
     assert not (tmp_path / "out").exists() and job.saved == [1]
+
+
+def test_resume_names_each_setting_that_changed(tmp_path, caplog):
+    import logging
+
+    loop(tmp_path).run(CountingJob(tmp_path))
+    changed = RunLoop(
+        tmp_path,
+        5,
+        LogConfig(output_dir=str(tmp_path), progress=False, checkpoint_every=2),
+        {"seed": 8, "ppo": {"lr": 1e-5}},
+        "Test",
+        latest=newest,
+    )
+    with caplog.at_level(logging.WARNING):
+        changed.run(CountingJob(tmp_path), resume=True)
+    assert "the config differs from the run's: seed: 7 → 8" in caplog.text
+    assert "ppo: '<unset>' → {'lr': 1e-05}" in caplog.text
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["seed"] == 8  # the new one

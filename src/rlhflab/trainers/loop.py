@@ -121,7 +121,11 @@ class RunLoop:
         if not self.is_main:
             return NullLog()
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(self.config, sort_keys=False))
+        saved = self.run_dir / "config.yaml"
+        if resume_step is not None and saved.is_file():
+            for line in config_changes(_read_yaml(saved), self.config):
+                log.warning("--resume: the config differs from the run's: %s", line)
+        saved.write_text(yaml.safe_dump(self.config, sort_keys=False))
         return RunLog(self.run_dir, self.log.tensorboard, self.log.wandb, self.config, resume_step)
 
     def _record(self, runlog, step: int, metrics: dict) -> None:
@@ -139,3 +143,26 @@ class RunLoop:
             or job.iteration == self.total
             or job.stop_reason
         )
+
+
+def _read_yaml(path: Path) -> dict:
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:  # a torn or edited file
+        log.warning("--resume: %s cannot be read (%s); not compared", path, exc)
+        return {}
+    return loaded if isinstance(loaded, dict) else {}
+
+
+def config_changes(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """``key: old → new`` for every dotted setting that differs between two config trees
+    (a resumed run continues with the new one; this says what that changes)."""
+    out = []
+    for key in sorted(set(old) | set(new), key=str):
+        a, b = old.get(key, "<unset>"), new.get(key, "<unset>")
+        name = f"{prefix}{key}"
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_changes(a, b, name + ".")
+        elif a != b:
+            out.append(f"{name}: {a!r} → {b!r}")
+    return out
