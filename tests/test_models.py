@@ -296,3 +296,16 @@ def test_cast_swaps_lean_modules_into_trained_models_only_when_asked(nano_rm, le
     # the frozen reward model is never touched
     reward_model = next(s for s, _ in cast.reward.sources if isinstance(s, ModelReward)).model
     assert not any(isinstance(m, (LeanRMSNorm, LeanSwiGLU)) for m in reward_model.modules())
+
+
+def test_lora_makes_the_default_critic_a_head_on_the_policy_backbone(nano_rm):
+    """model.value_model=auto with LoRA (issue #26): no full critic beside the adapters; what
+    trains is the adapters and one value head, a few thousand weights, not a model copy."""
+    cast = build_cast(cast_config(**{"reward.model": str(nano_rm), "model.lora_r": 4}))
+    assert cast.value_layout == "shared" and cast.critic is None
+    trainable = {n: p.numel() for n, p in cast.policy.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n or "value_head" in n for n in trainable)
+    total = sum(p.numel() for p in cast.policy.parameters())
+    assert sum(trainable.values()) < 0.1 * total
+    # without LoRA the default is unchanged: the critic starts from the reward model
+    assert build_cast(cast_config(**{"reward.model": str(nano_rm)})).value_layout == "from_reward"

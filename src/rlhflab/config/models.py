@@ -34,7 +34,9 @@ class ModelConfig:
         "Critic layout. 'shared': a value head on the policy's backbone (OAI19; least memory). "
         "'separate': its own backbone from `critic` (or a copy of the policy). 'from_reward': "
         "initialised from the reward model, head included (N+, InstructGPT). 'auto' = "
-        "from_reward when a reward model is configured, else separate (ppo-details §6.4). "
+        "shared with LoRA (model.lora_r > 0: the adapters and the head train, no full "
+        "critic), else from_reward when a reward model is configured, else separate "
+        "(ppo-details §6.4). "
         "'none': no critic (GRPO, RLOO and DPO set it).",
         choices=("auto", "shared", "separate", "from_reward", "none"),
     )

@@ -153,7 +153,12 @@ def build_cast(cfg: Config, device: torch.device | None = None, tokenizer=None) 
 
     rm_tokenizer = load_reward_tokenizer(cfg) if cfg.reward.model else None
     layout = mc.value_model
-    if layout == "auto":
+    if layout == "auto" and mc.lora_r > 0:
+        # a LoRA user trains adapters to save memory: a full critic (a copy of the model with
+        # full AdamW moments) would cost more than the policy; a value head on the LoRA
+        # policy's backbone trains the head alone beside the adapters (issue #26)
+        layout = "shared"
+    elif layout == "auto":
         layout = (
             "from_reward"
             if rm_tokenizer is not None and M.same_tokenizer(rm_tokenizer, tokenizer)
