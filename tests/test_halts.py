@@ -101,6 +101,11 @@ def test_ppo_halts_in_one_line_and_keeps_its_last_checkpoint(tmp_path, capsys):
     line = one_error_line(capsys)
     assert "PPO iteration " in line and "lower ppo.lr" in line and "non-finite" in line, line
     last = C.list_checkpoints(tmp_path / "run")[-1]
-    assert str(last) in line
+    assert f"--resume continues from {last}" in line
     assert finite_weights(last / "policy") and finite_weights(last / "critic")
+    # the state at the halt is kept under a name that --resume does not take: it may hold
+    # finite updates of the halted iteration, and a resume must start from a whole one
+    (halted,) = (tmp_path / "run" / "checkpoints").glob("halted-*")
+    assert str(halted) in line and finite_weights(halted / "policy")
+    assert C.latest_checkpoint(tmp_path / "run") == last
     assert not math.isnan(C.read_state(last)["iteration"])

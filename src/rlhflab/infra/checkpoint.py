@@ -58,13 +58,16 @@ def save_checkpoint(
     keep_last: int,
     policy_state: dict | None = None,
     critic_state: dict | None = None,
+    name: str | None = None,
 ) -> Path:
     """Write ``checkpoints/step-N`` atomically. ``policy_state``/``critic_state`` are full
-    (gathered) weights of a sharded policy / CriticValues module; None: read the modules."""
+    (gathered) weights of a sharded policy / CriticValues module; None: read the modules.
+    ``name``: another folder name (a halted run's state, ``halted-N``), which ``--resume``
+    and ``log.keep_last`` leave alone."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{step}"
-    tmp = root / f"step-{step}.tmp"
+    final = root / (name or f"step-{step}")
+    tmp = root / f"{final.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     shared = isinstance(cast.policy, PolicyWithValueHead)

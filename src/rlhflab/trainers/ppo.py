@@ -384,9 +384,10 @@ class PPOTrainer:
         if self.monitor is not None and s.get("monitor"):
             self.monitor.state.load_state_dict(s["monitor"])
 
-    def save(self, iteration: int) -> Path:
-        """Write checkpoints/step-N (collective under torchrun; files from rank 0 only)."""
-        return self.checkpoints.save(iteration, self.state_dict)
+    def save(self, iteration: int, name: str | None = None) -> Path:
+        """Write checkpoints/step-N, or ``name`` (collective under torchrun; files from rank 0
+        only)."""
+        return self.checkpoints.save(iteration, self.state_dict, name)
 
     def load_checkpoint(self, path: Path) -> None:
         self.load_state_dict(self.checkpoints.load(path))

@@ -62,7 +62,7 @@ class PPOUpdate:
         train_critic,
         minibatch_size: int,
         shuffle: torch.Generator,
-        save: Callable[[int], Path],
+        save: Callable[..., Path],
     ):
         self.cfg, self.ctx, self.cast = cfg, ctx, cast
         self.device = cast.device

@@ -40,9 +40,9 @@ class CastCheckpoints:
         self.run_dir = run_dir
         self.fsdp = fsdp  # sharded weights: gathered to save, broadcast from rank 0 to load
 
-    def save(self, iteration: int, state_dict: Callable[[], dict]) -> Path:
-        """Write checkpoints/step-N with the weights and ``state_dict()`` (collective under
-        torchrun; files from rank 0 only)."""
+    def save(self, iteration: int, state_dict: Callable[[], dict], name: str | None = None) -> Path:
+        """Write checkpoints/step-N (or ``name``) with the weights and ``state_dict()``
+        (collective under torchrun; files from rank 0 only)."""
         strategy = self.cfg.dist.strategy
         policy_state = full_state_dict(self.cast.policy, self.ctx, strategy)
         critic_state = (
@@ -51,7 +51,7 @@ class CastCheckpoints:
             else None
         )
         state = state_dict()
-        path = Path(self.run_dir) / "checkpoints" / f"step-{iteration}"
+        path = Path(self.run_dir) / "checkpoints" / (name or f"step-{iteration}")
         if self.ctx.is_main:
             path = C.save_checkpoint(
                 self.run_dir,
@@ -61,6 +61,7 @@ class CastCheckpoints:
                 self.cfg.log.keep_last,
                 policy_state,
                 critic_state,
+                name,
             )
         self.ctx.barrier()
         return path

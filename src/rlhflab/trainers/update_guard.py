@@ -17,6 +17,7 @@ from pathlib import Path
 
 from rlhflab.backends.optim import UpdateInBackward, clip_grad_norms
 from rlhflab.config import Config
+from rlhflab.infra import checkpoint as C
 from rlhflab.infra.distributed import load_optimizer_state, optimizer_state
 from rlhflab.trainers.common import Halt, build_optimizer, build_scheduler
 
@@ -26,7 +27,7 @@ log = logging.getLogger(__name__)
 class GuardedUpdate:
     """Optimisers, schedules and the non-finite guard of one PPO-family run."""
 
-    def __init__(self, cfg: Config, ctx, cast, save: Callable[[int], Path]):
+    def __init__(self, cfg: Config, ctx, cast, save: Callable[..., Path]):
         p = cfg.ppo
         self.cfg, self.ctx, self.cast = cfg, ctx, cast
         self.save = save  # writes the checkpoint the run halts with
@@ -157,13 +158,17 @@ class GuardedUpdate:
             "iteration %d: skipped an update: non-finite %s%s", self.iteration + 1, cause, detail
         )
         if self.consecutive_bad >= self.cfg.ppo.max_bad_updates:
-            path = self.save(self.iteration)  # weights are still the last good ones
-            halt = Halt(
-                self.trainer_name,
-                "ppo.lr",
-                lambda: f"The last good state is in {path}.",
-                "iteration",
-            )
+            # the weights are finite, but hold the updates of this iteration's minibatches that
+            # came before the bad ones: kept under a name --resume does not take, so that a
+            # resume starts from the last whole iteration and stays exact
+            halted = self.save(self.iteration, name=f"halted-{self.iteration + 1}")
+            resumable = C.list_checkpoints(halted.parent.parent)
+            since = str(resumable[-1]) if resumable else "the start"
+
+            def kept() -> str:
+                return f"The state at the halt is in {halted}; --resume continues from {since}."
+
+            halt = Halt(self.trainer_name, "ppo.lr", kept, "iteration")
             raise halt.error(
                 self.iteration + 1,
                 f"{cause} in {self.consecutive_bad} updates in a row",
