@@ -385,8 +385,7 @@ class PPOTrainer:
             self.monitor.state.load_state_dict(s["monitor"])
 
     def save(self, iteration: int, name: str | None = None) -> Path:
-        """Write checkpoints/step-N, or ``name`` (collective under torchrun; files from rank 0
-        only)."""
+        """Write checkpoints/step-N or ``name`` (collective; rank 0 writes the files)."""
         return self.checkpoints.save(iteration, self.state_dict, name)
 
     def load_checkpoint(self, path: Path) -> None:
