@@ -309,3 +309,22 @@ def test_lora_makes_the_default_critic_a_head_on_the_policy_backbone(nano_rm):
     assert sum(trainable.values()) < 0.1 * total
     # without LoRA the default is unchanged: the critic starts from the reward model
     assert build_cast(cast_config(**{"reward.model": str(nano_rm)})).value_layout == "from_reward"
+
+
+def test_a_reward_module_in_the_working_directory_imports_however_the_command_started(
+    tmp_path, monkeypatch
+):
+    # issue #31: it imported only after the allocator's restart (python -m puts the working
+    # directory on sys.path; the console script does not)
+    import sys
+
+    from rlhflab.experience.rewards import FunctionReward
+
+    (tmp_path / "my_local_reward.py").write_text(
+        "def score(prompts, answers):\n    return [1.0] * len(prompts)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "my_local_reward", raising=False)
+    reward = FunctionReward("my_local_reward:score")
+    assert reward.fn(["a", "b"], ["x", "y"]) == [1.0, 1.0]

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
+import sys
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -156,7 +158,9 @@ class FunctionReward:
 
     It returns one float per answer, or a dict mapping component names to lists of floats.
     A function that raises, returns the wrong number of values or non-numbers gets a
-    :class:`RewardError` that names it.
+    :class:`RewardError` that names it. The module is looked for on ``sys.path`` and, always,
+    in the current working directory (as ``python -m`` would, however the command started:
+    the console script puts its own folder first, the allocator's restart the working one).
     """
 
     def __init__(self, spec: str):
@@ -164,6 +168,9 @@ class FunctionReward:
         module_name, sep, func_name = spec.partition(":")
         if not sep or not module_name or not func_name:
             raise RewardError(f"reward function {spec!r}: expected 'module:function'")
+        cwd = os.getcwd()
+        if cwd not in sys.path and "" not in sys.path:
+            sys.path.append(cwd)  # after the installed packages: a local file shadows none
         try:
             module = importlib.import_module(MOVED_MODULES.get(module_name, module_name))
         except ImportError as exc:
