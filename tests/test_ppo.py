@@ -352,10 +352,10 @@ def test_a_huge_critic_gradient_leaves_the_policy_update_alone(tmp_path):
 
 
 def test_bad_prompt_rows_get_clear_errors(tmp_path):
-    from rlhflab import models as M
+    from rlhflab.models import load_tokenizer
     from rlhflab.models.presets import preset_path
 
-    tok = M.load_tokenizer(preset_path("nano"))
+    tok = load_tokenizer(preset_path("nano"))
     f = tmp_path / "p.jsonl"
     rows = [
         '{"prompt": "copy: cat\\nanswer:"}',
@@ -396,11 +396,11 @@ def test_parquet_prompts_and_memory_command(tmp_path, capsys):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from rlhflab import models as M
     from rlhflab.app.cli import main
+    from rlhflab.models import load_tokenizer
     from rlhflab.models.presets import preset_path
 
-    tok = M.load_tokenizer(preset_path("nano"))
+    tok = load_tokenizer(preset_path("nano"))
     f = tmp_path / "p.parquet"
     pq.write_table(pa.table({"prompt": ["copy: cat\nanswer:", ""]}), f)
     with pytest.raises(DataError, match=r"p\.parquet:2: field 'prompt' is empty"):
@@ -440,3 +440,31 @@ def test_a_significantly_negative_kl_is_explained_once_and_a_correct_run_never_w
         caplog.clear()
         t.watch.check_kl_sign(torch.full((6,), -1.0) + torch.arange(6) * 0.01)
         assert "standard errors below zero" not in caplog.text  # once a run
+
+
+def test_a_forgotten_key_that_falls_back_to_a_built_in_is_said(tmp_path, caplog):
+    """issue #31: your model on the toy prompts, or your prompts on a random preset, is
+    rarely what was meant; the built-in pipeline on its own says nothing."""
+    import logging
+
+    from rlhflab.models.presets import preset_path
+    from rlhflab.trainers.common import load_prompt_set
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "say hi"}\n' * 4)
+    from rlhflab.models import load_tokenizer
+
+    tok = load_tokenizer(preset_path("nano"))
+    cases = [
+        ([f"model.policy={preset_path('nano')}"], "data.prompts is not set"),
+        ([f"data.prompts={prompts}"], "model.policy is not set to a folder"),
+        ([], None),
+    ]
+    for overrides, said in cases:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            load_prompt_set(make_cfg(tmp_path, *overrides), tok)
+        if said:
+            assert said in caplog.text, overrides
+        else:
+            assert "is not set" not in caplog.text

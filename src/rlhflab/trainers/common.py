@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import shutil
 import sys
@@ -15,6 +16,8 @@ from rlhflab.backends.optim import FusedAdamW, LambdaSchedule
 from rlhflab.builtin import tasks
 from rlhflab.config import Config
 from rlhflab.experience.data import PromptStream, load_prompts
+
+log = logging.getLogger(__name__)
 
 
 class TrainingHalted(RuntimeError):
@@ -140,7 +143,24 @@ def build_scheduler(opt, warmup_steps: int, total_steps: int, schedule: str) -> 
 
 
 def load_prompt_set(cfg: Config, tokenizer) -> PromptStream:
-    """Prompts from ``data.prompts`` or, when unset, the built-in task's training prompts."""
+    """Prompts from ``data.prompts`` or, when unset, the built-in task's training prompts.
+
+    A forgotten key falls back to a built-in default: said aloud when the other half of
+    the config is the user's own (their model on the toy prompts, or their prompts on a
+    random preset), which is rarely what was meant (issue #31)."""
+    own_model = not cfg.model.policy.startswith("preset:")
+    if own_model and not cfg.data.prompts:
+        log.warning(
+            "data.prompts is not set: %s trains on the built-in task's prompts; set "
+            "data.prompts to a file (or a dataset folder) of your own",
+            cfg.model.policy,
+        )
+    if cfg.data.prompts and not own_model:
+        log.warning(
+            "model.policy is not set to a folder: %s is a randomly initialised built-in "
+            "model; set model.policy to your model's folder",
+            cfg.model.policy,
+        )
     if cfg.data.prompts:
         prompts, _ = load_prompts(
             cfg.data.prompts,
