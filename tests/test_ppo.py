@@ -468,3 +468,22 @@ def test_a_forgotten_key_that_falls_back_to_a_built_in_is_said(tmp_path, caplog)
             assert said in caplog.text, overrides
         else:
             assert "is not set" not in caplog.text
+
+
+def test_every_short_source_name_the_settings_cite_is_spelled_out(capsys):
+    """issue #31: OAI19, N+, DSM, MOSS, DAPO, k3+ … were cited and explained nowhere."""
+    import re
+
+    from rlhflab.app.cli import main
+    from rlhflab.config import SOURCES, Config
+    from rlhflab.config.base import describe
+
+    cited = set(
+        re.findall(r"\b(OAI19|N\+|DSM|MOSS|DAPO|IGPT|KLA|DrGRPO|k3\+)", "\n".join(describe(Config)))
+    )
+    assert cited  # the settings do cite them
+    for short in cited:
+        assert any(short in key for key in SOURCES), short
+    assert main(["config"]) == 0
+    printed = capsys.readouterr().out
+    assert all(f"  {key}: " in printed for key in SOURCES)

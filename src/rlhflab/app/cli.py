@@ -130,7 +130,7 @@ def cmd_memory(args) -> int:
 
 
 def cmd_config(args) -> int:
-    from rlhflab.config import STAGE_DEFAULTS, Config
+    from rlhflab.config import SOURCES, STAGE_DEFAULTS, Config
     from rlhflab.config.base import describe
 
     print("\n".join(describe(Config)))
@@ -142,6 +142,9 @@ def cmd_config(args) -> int:
             for key, value in values.items()
         ]
         print(f"  rlhflab {stage}: {', '.join(fields)}")
+    print("\nsources cited above (docs/ppo-details.md):")
+    for short, full in SOURCES.items():
+        print(f"  {short}: {full}")
     return 0
 
 

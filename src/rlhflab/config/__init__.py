@@ -55,6 +55,26 @@ class Config:
 
 # Long (about 80 lines): one flat list of the cross-field rules, each a few lines with its
 # message, read top to bottom; split, the rules would hide from one another.
+# The short names the settings' documentation cites, spelled out (docs/ppo-details.md §0
+# has the same list with what was read of each); `rlhflab config` prints it.
+SOURCES = {
+    "OAI19": "Ziegler et al. 2019, Fine-Tuning Language Models from Human Preferences",
+    "N+": "Huang et al. 2024, The N+ Implementation Details of RLHF with PPO (arXiv 2403.17031)",
+    "InstructGPT": "Ouyang et al. 2022, Training language models to follow instructions with "
+    "human feedback (arXiv 2203.02155)",
+    "MOSS": "Zheng et al. 2023, Secrets of RLHF in Large Language Models Part I: PPO "
+    "(arXiv 2307.04964)",
+    "DSM": "Shao et al. 2024, DeepSeekMath, where GRPO was introduced (arXiv 2402.03300)",
+    "Dr. GRPO": "Liu et al. 2025, Understanding R1-Zero-Like Training (arXiv 2503.20783)",
+    "DAPO": "Yu et al. 2025, DAPO: an open-source LLM RL system at scale (arXiv 2503.14476)",
+    "k1, k2, k3": "Schulman 2020, Approximating KL Divergence: k1 = log π − log π_ref, "
+    "k2 = ½(log π − log π_ref)², k3 = (r − 1) − log r with r = π_ref/π",
+    "k3+": "verl's straight-through estimator: k3's value forward, k2's gradient backward",
+    "TRL, verl, OpenRLHF, CleanRL": "the huggingface/trl, volcengine/verl, OpenRLHF/OpenRLHF "
+    "and vwxyzjn/cleanrl code bases",
+}
+
+
 def validate(cfg: Config, stage: str = "ppo") -> Config:
     """Cross-field checks that single-field bounds cannot express (for the given stage)."""
     if cfg.model.runtime == "native" and (cfg.model.lora_r or cfg.model.trust_remote_code):
@@ -166,6 +186,7 @@ __all__ = [
     "RewardConfig",
     "RolloutConfig",
     "SFTConfig",
+    "SOURCES",
     "STAGE_DEFAULTS",
     "load_config",
     "validate",
