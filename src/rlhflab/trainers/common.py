@@ -16,6 +16,7 @@ from rlhflab.backends.optim import FusedAdamW, LambdaSchedule
 from rlhflab.builtin import tasks
 from rlhflab.config import Config
 from rlhflab.experience.data import PromptStream, load_prompts
+from rlhflab.infra import checkpoint as C
 
 log = logging.getLogger(__name__)
 
@@ -181,3 +182,22 @@ def progress(iterable, enabled: bool, desc: str, **kwargs):
     from tqdm.auto import tqdm
 
     return tqdm(iterable, desc=desc, dynamic_ncols=True, **kwargs)
+
+
+def single_model_state(trainer) -> dict:
+    """The training state of a one-optimiser trainer (SFT, RM, DPO): its step count,
+    optimiser, schedule and random generators, as its checkpoints hold them."""
+    return {
+        "iteration": trainer.iteration,
+        "optim": trainer.opt.state_dict(),
+        "sched": trainer.sched.state_dict(),
+        "rng": C.rng_state(trainer.gens),
+    }
+
+
+def load_single_model_state(trainer, s: dict) -> None:
+    """Restore what :func:`single_model_state` saved."""
+    trainer.iteration = int(s["iteration"])
+    trainer.opt.load_state_dict(s["optim"])
+    trainer.sched.load_state_dict(s["sched"])
+    C.restore_rng(s["rng"], trainer.gens)

@@ -31,6 +31,8 @@ from rlhflab.trainers.common import (
     Halt,
     build_optimizer_simple,
     build_scheduler,
+    load_single_model_state,
+    single_model_state,
     supervised_step,
 )
 from rlhflab.trainers.loop import RunLoop
@@ -132,18 +134,10 @@ class DPOTrainer:
         }
 
     def state_dict(self) -> dict:
-        return {
-            "iteration": self.iteration,
-            "optim": self.opt.state_dict(),
-            "sched": self.sched.state_dict(),
-            "rng": C.rng_state(self.gens),
-        }
+        return single_model_state(self)
 
     def load_state_dict(self, s: dict) -> None:
-        self.iteration = int(s["iteration"])
-        self.opt.load_state_dict(s["optim"])
-        self.sched.load_state_dict(s["sched"])
-        C.restore_rng(s["rng"], self.gens)
+        load_single_model_state(self, s)
 
     def save(self, step: int) -> Path:
         return C.save_checkpoint(

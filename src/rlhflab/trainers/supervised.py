@@ -27,6 +27,8 @@ from rlhflab.trainers.common import (
     build_optimizer_simple,
     build_scheduler,
     keep_last_good,
+    load_single_model_state,
+    single_model_state,
     supervised_step,
 )
 from rlhflab.trainers.loop import RunLoop, RunResult
@@ -80,19 +82,10 @@ class SupervisedTrainer:
         return {"loss": value, "lr": self.opt.param_groups[0]["lr"]}
 
     def state_dict(self) -> dict:
-        return {
-            "iteration": self.iteration,
-            "optim": self.opt.state_dict(),
-            "sched": self.sched.state_dict(),
-            "rng": C.rng_state(self.gens),
-            "losses": list(self.losses),
-        }
+        return {**single_model_state(self), "losses": list(self.losses)}
 
     def load_state_dict(self, s: dict) -> None:
-        self.iteration = int(s["iteration"])
-        self.opt.load_state_dict(s["optim"])
-        self.sched.load_state_dict(s["sched"])
-        C.restore_rng(s["rng"], self.gens)
+        load_single_model_state(self, s)
         self.losses = [float(x) for x in s["losses"]]
 
     def save(self, step: int) -> Path:
