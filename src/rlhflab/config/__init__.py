@@ -75,8 +75,10 @@ SOURCES = {
 }
 
 
-def validate(cfg: Config, stage: str = "ppo") -> Config:
-    """Cross-field checks that single-field bounds cannot express (for the given stage)."""
+def validate(cfg: Config, stage: str = "ppo", reward_given: bool = False) -> Config:
+    """Cross-field checks that single-field bounds cannot express (for the given stage).
+    ``reward_given``: the caller brings a reward of its own (the Python API's callables),
+    so a config without ``reward.model`` or ``reward.functions`` is complete."""
     if cfg.model.runtime == "native" and (cfg.model.lora_r or cfg.model.trust_remote_code):
         raise ConfigError(
             "model.runtime: 'native' runs rlhflab's own Llama code, which supports neither "
@@ -139,7 +141,7 @@ def validate(cfg: Config, stage: str = "ppo") -> Config:
         raise ConfigError("model.value_model: 'from_reward' needs reward.model to be set")
     if cfg.model.critic and cfg.model.value_model not in ("separate", "auto"):
         raise ConfigError("model.critic: only used with value_model 'separate'")
-    if not cfg.reward.model and not cfg.reward.functions:
+    if not cfg.reward.model and not cfg.reward.functions and not reward_given:
         raise ConfigError("reward: set reward.model or reward.functions (or both)")
     if cfg.reward.heads and not cfg.reward.model:
         raise ConfigError("reward.heads: head weights need reward.model")
@@ -159,12 +161,15 @@ def validate(cfg: Config, stage: str = "ppo") -> Config:
     return cfg
 
 
-def load_config(path=None, overrides=None, base: dict | None = None, stage="ppo") -> Config:
+def load_config(
+    path=None, overrides=None, base: dict | None = None, stage="ppo", reward_given=False
+) -> Config:
     """The config of ``stage`` (a command: ppo, grpo, rloo, dpo, sft, rm): the stage's own
     defaults (:data:`rlhflab.config.stages.STAGE_DEFAULTS`), then ``base``, then the file at
-    ``path``, then the dotted ``overrides``; each wins over the ones before it."""
+    ``path``, then the dotted ``overrides``; each wins over the ones before it.
+    ``reward_given``: see :func:`validate`."""
     base = with_stage_defaults(stage, base)
-    return validate(configbase.load(Config, path, overrides, base), stage)
+    return validate(configbase.load(Config, path, overrides, base), stage, reward_given)
 
 
 __all__ = [

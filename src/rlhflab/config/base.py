@@ -160,9 +160,16 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else ""
 
 
-def merge_overrides(data: dict, overrides: list[str]) -> dict:
-    for text in overrides:
-        path, value = parse_override(text)
+def merge_overrides(data: dict, overrides: list[str] | dict | None) -> dict:
+    """Apply dotted overrides: ``["ppo.lr=1e-5"]`` (values parsed as YAML, as on the command
+    line) or ``{"ppo.lr": 1e-5}`` (values as they are, from Python)."""
+    if isinstance(overrides, dict):
+        items = [
+            (str(key).split("."), value, f"{key}={value!r}") for key, value in overrides.items()
+        ]
+    else:
+        items = [(*parse_override(text), text) for text in overrides or []]
+    for path, value, text in items:
         node = data
         for part in path[:-1]:
             node = node.setdefault(part, {})
@@ -175,7 +182,7 @@ def merge_overrides(data: dict, overrides: list[str]) -> dict:
 def load(
     cls: type,
     path: str | Path | None = None,
-    overrides: list[str] | None = None,
+    overrides: list[str] | dict | None = None,
     base: dict | None = None,
 ) -> Any:
     """Load ``cls`` from a YAML file (optional) on top of ``base``, then apply overrides."""
@@ -200,7 +207,7 @@ def load(
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
         data = _deep_merge(data, loaded)
-    data = merge_overrides(data, overrides or [])
+    data = merge_overrides(data, overrides)
     return build(cls, data)
 
 

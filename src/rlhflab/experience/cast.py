@@ -143,9 +143,14 @@ def load_frozen_policy(cfg: Config, tokenizer, device="cpu") -> nn.Module:
     return M.make_reference(lm, cfg.model.reference_precision, device=device)
 
 
-def build_cast(cfg: Config, device: torch.device | None = None, tokenizer=None) -> ModelCast:
+def build_cast(
+    cfg: Config, device: torch.device | None = None, tokenizer=None, extra_rewards=()
+) -> ModelCast:
     """Load the configured models; ``tokenizer``: the policy's, where the caller has
-    already loaded it (``load_policy_tokenizer``)."""
+    already loaded it (``load_policy_tokenizer``). ``extra_rewards``: ``(source, weight)``
+    pairs a Python caller brings beside the configured ones (e.g. a
+    :class:`~rlhflab.experience.rewards.CallableReward` of a lambda, which no config can
+    name)."""
     device = device or resolve_device(cfg.device)
     mc = cfg.model
     tokenizer = tokenizer or load_policy_tokenizer(cfg)
@@ -203,7 +208,8 @@ def build_cast(cfg: Config, device: torch.device | None = None, tokenizer=None) 
     )
     if critic is not None:
         critic = to_trained(critic, device, "the critic")
-    reward = CompositeReward(_reward_sources(cfg, tokenizer, device, rm, rm_tokenizer))
+    sources = _reward_sources(cfg, tokenizer, device, rm, rm_tokenizer) + list(extra_rewards)
+    reward = CompositeReward(sources)
     log.info(
         "cast built: value layout %s, reference %s%s, device %s",
         layout,

@@ -153,35 +153,19 @@ MOVED_MODULES = {
 }
 
 
-class FunctionReward:
-    """A Python function ``module:function`` taking (prompts, responses).
+class CallableReward:
+    """A Python callable ``fn(prompts, responses)`` as a reward source.
 
     It returns one float per answer, or a dict mapping component names to lists of floats.
-    A function that raises, returns the wrong number of values or non-numbers gets a
-    :class:`RewardError` that names it. The module is looked for on ``sys.path`` and, always,
-    in the current working directory (as ``python -m`` would, however the command started:
-    the console script puts its own folder first, the allocator's restart the working one).
+    One that raises, returns the wrong number of values or non-numbers gets a
+    :class:`RewardError` that names it (``name``: how the config or the log calls it).
     """
 
-    def __init__(self, spec: str):
-        self.name = spec
-        module_name, sep, func_name = spec.partition(":")
-        if not sep or not module_name or not func_name:
-            raise RewardError(f"reward function {spec!r}: expected 'module:function'")
-        cwd = os.getcwd()
-        if cwd not in sys.path and "" not in sys.path:
-            sys.path.append(cwd)  # after the installed packages: a local file shadows none
-        try:
-            module = importlib.import_module(MOVED_MODULES.get(module_name, module_name))
-        except ImportError as exc:
-            raise RewardError(
-                f"reward function {spec!r}: cannot import {module_name}: {exc}"
-            ) from None
-        self.fn = getattr(module, func_name, None)
-        if not callable(self.fn):
-            raise RewardError(
-                f"reward function {spec!r}: {module_name} has no function {func_name}"
-            )
+    def __init__(self, fn, name: str | None = None):
+        if not callable(fn):
+            raise RewardError(f"reward {name or fn!r}: not callable")
+        self.fn = fn
+        self.name = name or callable_name(fn)
 
     def __call__(self, batch: RewardBatch) -> dict[str, torch.Tensor]:
         try:
@@ -206,6 +190,56 @@ class FunctionReward:
                 f"{t.numel()} values for {n} answers"
             )
         return t
+
+
+def callable_name(fn) -> str:
+    """``module:qualname`` of a function (the config's spelling), else its repr."""
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
+    return f"{module}:{qualname}" if module and qualname else repr(fn)
+
+
+def importable_spec(fn) -> str | None:
+    """``module:function`` when importing it gives back ``fn`` itself (so a config can name
+    it and a later process can load it); None for a lambda, a closure, a bound method or a
+    function defined in ``__main__`` (a script or a notebook)."""
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if not module or module == "__main__" or not qualname or "<" in qualname or "." in qualname:
+        return None
+    try:
+        found = getattr(importlib.import_module(module), qualname, None)
+    except ImportError:
+        return None
+    return f"{module}:{qualname}" if found is fn else None
+
+
+class FunctionReward(CallableReward):
+    """A Python function named ``module:function`` taking (prompts, responses), as
+    :class:`CallableReward` calls it.
+
+    The module is looked for on ``sys.path`` and, always, in the current working directory
+    (as ``python -m`` would, however the command started: the console script puts its own
+    folder first, the allocator's restart the working one).
+    """
+
+    def __init__(self, spec: str):
+        module_name, sep, func_name = spec.partition(":")
+        if not sep or not module_name or not func_name:
+            raise RewardError(f"reward function {spec!r}: expected 'module:function'")
+        cwd = os.getcwd()
+        if cwd not in sys.path and "" not in sys.path:
+            sys.path.append(cwd)  # after the installed packages: a local file shadows none
+        try:
+            module = importlib.import_module(MOVED_MODULES.get(module_name, module_name))
+        except ImportError as exc:
+            raise RewardError(
+                f"reward function {spec!r}: cannot import {module_name}: {exc}"
+            ) from None
+        fn = getattr(module, func_name, None)
+        if not callable(fn):
+            raise RewardError(
+                f"reward function {spec!r}: {module_name} has no function {func_name}"
+            )
+        super().__init__(fn, spec)
 
 
 @dataclass

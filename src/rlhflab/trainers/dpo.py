@@ -94,6 +94,7 @@ class DPOTrainer:
         self.gens = {"batch": torch.Generator().manual_seed(cfg.seed)}
         self.iteration = 0
         self.stop_reason: str | None = None  # DPO runs its steps to the end
+        self.step_hooks: list = []  # hook(step, metrics) after it is logged (RunLoop)
         self.halt = Halt("DPO", "dpo.lr", self._keep_last_good)
         self.run_dir = Path(cfg.log.output_dir)
         # the checkpoint code saves a "cast": the policy and no critic

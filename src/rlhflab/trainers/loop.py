@@ -6,7 +6,10 @@
 - ``step() -> dict[str, float]``: one step (a PPO iteration, an optimiser step), its metrics;
 - ``save(step) -> Path``: write ``checkpoints/step-N`` (collective under torchrun);
 - ``load_checkpoint(path)``: restore weights and state from such a folder;
-- ``stop_reason``: None, or why the run should stop after this step.
+- ``stop_reason``: None, or why the run should stop after this step;
+- optionally ``step_hooks``: callables ``hook(step, metrics)`` run after each step is logged
+  (the Python API's callbacks); one that returns a true value stops the run there, with a
+  checkpoint, as a stop reason would.
 
 What a step adds to the log beyond its metrics (sample answers, monitor alerts) and the
 progress bar's summary are optional hooks of the loop. Under torchrun every rank runs the
@@ -88,6 +91,7 @@ class RunLoop:
             total=self.total,
         )
         metrics: dict = {}
+        reason = None
         try:
             for _ in bar:
                 metrics = job.step()
@@ -95,14 +99,15 @@ class RunLoop:
                 self._record(runlog, job.iteration, metrics)
                 if hasattr(bar, "set_postfix") and self.postfix is not None:
                     bar.set_postfix(**self.postfix(metrics))
-                if self._checkpoint_due(job):
+                reason = job.stop_reason or _hooks_stop(job, metrics)
+                if self._checkpoint_due(job, reason):
                     job.save(job.iteration)
-                if job.stop_reason:
-                    log.warning("stopped: %s", job.stop_reason)
+                if reason:
+                    log.warning("stopped: %s", reason)
                     break
         finally:
             runlog.close()
-        return RunResult(job.iteration, metrics, job.stop_reason, time.perf_counter() - start)
+        return RunResult(job.iteration, metrics, reason, time.perf_counter() - start)
 
     def _resume(self, job: Job) -> int | None:
         """Load the newest whole checkpoint, if any; the step it was written at, or None.
@@ -136,13 +141,21 @@ class RunLoop:
         if self.samples is not None and n and step % self.log.sample_every == 0:
             runlog.samples(step, self.samples(n))
 
-    def _checkpoint_due(self, job: Job) -> bool:
+    def _checkpoint_due(self, job: Job, stop_reason: str | None) -> bool:
         """Every log.checkpoint_every steps, at the last step, and before a stop."""
         return bool(
             job.iteration % self.log.checkpoint_every == 0
             or job.iteration == self.total
-            or job.stop_reason
+            or stop_reason
         )
+
+
+def _hooks_stop(job: Job, metrics: dict) -> str | None:
+    """Run the job's step hooks; the stop reason when one of them asks to stop."""
+    for hook in getattr(job, "step_hooks", ()):
+        if hook(job.iteration, metrics):
+            return f"a callback ({getattr(hook, '__name__', hook)}) asked to stop"
+    return None
 
 
 def _read_yaml(path: Path) -> dict:

@@ -52,7 +52,10 @@ __all__ = ["METRICS", "PPOTrainer", "train"]  # METRICS: where docs/ppo.md point
 class PPOTrainer:
     """PPO-family RLHF on one loop: the advantage estimator is a config choice."""
 
-    def __init__(self, cfg: Config, cast: ModelCast | None = None):
+    def __init__(self, cfg: Config, cast: ModelCast | None = None, rewards=(), gold=None):
+        """``rewards``: (source, weight) pairs beside the configured ones, and ``gold``: a
+        reward source for the monitor instead of monitor.gold (the Python API's callables,
+        :mod:`rlhflab.app.api`); a ``cast`` already holds its rewards."""
         self.cfg = cfg
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
@@ -73,7 +76,7 @@ class PPOTrainer:
         self.stream = load_prompt_set(cfg, tokenizer)
         self.stream.batch_size = r.prompts_per_iteration // self.group_size  # distinct prompts
         device = self.ctx.device if self.ctx.enabled else None
-        self.cast = cast or build_cast(cfg, device, tokenizer)
+        self.cast = cast or build_cast(cfg, device, tokenizer, rewards)
         self.device = self.cast.device
         self.fsdp = self.ctx.enabled and cfg.dist.strategy == "fsdp"
         self.train_policy, self.train_critic = self._wrap_for_parallel()
@@ -100,12 +103,13 @@ class PPOTrainer:
             cfg, self.ctx, self.cast, *trained, self.minibatch_size, shuffle, self.save
         )
         self.watch = PPOWatch(  # steps 2b and 9b, and the KL-sign check
-            cfg, self.ctx, self.cast, self.kl_ctl, self.gens["monitor"], self.all_done
+            cfg, self.ctx, self.cast, self.kl_ctl, self.gens["monitor"], self.all_done, gold
         )
         self.moments = RunningMoments()  # reward.normalize=running
         moments = self._moments if self.ctx.enabled else None  # whitening over every rank
         self.adv_settings = ADV.settings_from_config(cfg, moments)
         self.callbacks: list = []  # called as cb(trainer, rollout, metrics) after step 9
+        self.step_hooks: list = []  # hook(iteration, metrics) after it is logged (RunLoop)
         self.last_rollout: Rollout | None = None
         self._check_batch()
 
@@ -144,17 +148,13 @@ class PPOTrainer:
         return policy, critic
 
     def _check_batch(self) -> None:
-        r = self.cfg.rollout
-        if (
-            r.max_prompt_tokens + r.max_new_tokens
-            > self.cast.policy_lm.config.max_position_embeddings
-        ):
-            raise ValueError(
-                "rollout: max_prompt_tokens + max_new_tokens exceeds the model's "
-                "max_position_embeddings"
+        r, limit = self.cfg.rollout, self.cast.policy_lm.config.max_position_embeddings
+        if r.max_prompt_tokens + r.max_new_tokens > limit:
+            raise ConfigError(
+                f"rollout.max_new_tokens: max_prompt_tokens + max_new_tokens = "
+                f"{r.max_prompt_tokens + r.max_new_tokens} exceeds the model's "
+                f"max_position_embeddings ({limit})"
             )
-
-    # ------------------------------------------------------------------ one iteration
 
     def step(self) -> dict[str, float]:
         """One iteration, steps 1–10; returns its metrics, averaged over every rank."""

@@ -29,7 +29,9 @@ NEGATIVE_KL_Z = -4.0
 class PPOWatch:
     """The monitor's work inside an iteration, and the KL-sign check."""
 
-    def __init__(self, cfg: Config, ctx, cast, kl_ctl, generator: torch.Generator, all_done):
+    def __init__(
+        self, cfg: Config, ctx, cast, kl_ctl, generator: torch.Generator, all_done, gold=None
+    ):
         self.cfg, self.ctx, self.cast = cfg, ctx, cast
         self.kl_ctl = kl_ctl  # monitor.response=raise_kl multiplies its β
         # the reference's samples draw from their own stream, so switching the monitor on
@@ -38,7 +40,9 @@ class PPOWatch:
         self.all_done = all_done  # the sampler's every-rank stop test under FSDP, or None
         self.monitor: HackingMonitor | None = None
         if cfg.monitor.enabled:
-            gold = FunctionReward(cfg.monitor.gold) if cfg.monitor.gold else None
+            # gold: a reward source a Python caller brings, else monitor.gold's function
+            if gold is None and cfg.monitor.gold:
+                gold = FunctionReward(cfg.monitor.gold)
             self.monitor = HackingMonitor(cfg.monitor, gold, cfg.ppo.kl_target)
         self.kl_sign_warned = False
         self.stop_reason: str | None = None  # set by monitor.response=stop

@@ -14,6 +14,7 @@ import logging
 import math
 import random
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -236,6 +237,14 @@ def format_checks(checks: dict[str, dict[str, float]]) -> str:
 
 
 def train_rm(cfg: Config, resume: bool = False) -> dict:
+    """``rlhflab rm``: train, write the model to ``rm.output_dir``, check it on the held-out
+    pairs, summarise."""
+    return run_rm(rm_trainer(cfg), resume)
+
+
+def rm_trainer(cfg: Config) -> SupervisedTrainer:
+    """The reward-model run of ``cfg``; the held-out pairs ride along as ``trainer.heldout``
+    for :func:`run_rm`."""
     r = cfg.rm
     torch.manual_seed(cfg.seed)
     device = resolve_device(cfg.device)
@@ -271,15 +280,25 @@ def train_rm(cfg: Config, resume: bool = False) -> dict:
         return loss
 
     trainer = SupervisedTrainer(cfg, "rm", model, tokenizer, len(train), batch_loss)
+    trainer.heldout = SimpleNamespace(pairs=held, targets=held_t, heads=heads, total=len(pairs))
+    trainer.device = device
+    return trainer
+
+
+def run_rm(trainer: SupervisedTrainer, resume: bool = False) -> dict:
+    """Run a reward-model trainer of :func:`rm_trainer`, then check it on its held-out pairs."""
     done = trainer.fit(resume)
-    out = trainer.out
-    checks = check_heldout(model, tokenizer, held, held_t, heads, cfg, device)
+    out, kept, cfg = trainer.out, trainer.heldout, trainer.cfg
+    heads, held = kept.heads, kept.pairs
+    checks = check_heldout(
+        trainer.model, trainer.tokenizer, held, kept.targets, heads, cfg, trainer.device
+    )
     accuracy = {h: checks[h]["accuracy"] for h in heads if checks[h]["pairs"]}
     plain = write_checks(checks, out)
     result = {
         "heldout_accuracy": accuracy,
         "heldout_checks": plain,
-        "pairs": len(pairs),
+        "pairs": kept.total,
         "heldout_pairs": len(held),
         "loss_last": trainer.recent_loss(),
         "seconds": done.seconds,

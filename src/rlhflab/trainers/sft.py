@@ -95,7 +95,11 @@ def sft_trainer(cfg: Config) -> SupervisedTrainer:
 
 def train_sft(cfg: Config, resume: bool = False) -> dict:
     """``rlhflab sft``: train, write the model to ``sft.output_dir``, summarise."""
-    trainer = sft_trainer(cfg)
+    return run_sft(sft_trainer(cfg), resume)
+
+
+def run_sft(trainer: SupervisedTrainer, resume: bool = False) -> dict:
+    """Run an SFT trainer of :func:`sft_trainer` to its end; its summary."""
     done = trainer.fit(resume)
     result = {
         "loss_first": trainer.losses[0],

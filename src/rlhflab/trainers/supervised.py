@@ -64,6 +64,7 @@ class SupervisedTrainer:
         self.run_dir = self.out / RUN
         self.iteration = 0
         self.stop_reason: str | None = None  # a supervised stage runs its steps to the end
+        self.step_hooks: list = []  # hook(step, metrics) after it is logged (RunLoop)
         self.losses: list[float] = []
         self.halt = Halt(stage.upper(), f"{stage}.lr", keep_last_good(model, tokenizer, self.out))
         # what the checkpoint code saves: a policy-like model, no critic

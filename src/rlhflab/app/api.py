@@ -1,0 +1,325 @@
+"""rlhflab from Python: one trainer class per command (docs/python-api.md).
+
+    import rlhflab
+    trainer = rlhflab.PPOTrainer(model="my-sft-folder", reward=my_function, prompts=[...])
+    trainer.train()
+    trainer.save("my-policy")
+
+Each class takes models as folders or Hugging Face model objects (with their tokenizer),
+rewards as reward-model folders or objects, ``module:function`` names or plain callables
+``(prompts, responses) -> list[float]``, data as a path, a list or a ``datasets.Dataset``,
+and the config as a YAML path, a dict of sections or a :class:`~rlhflab.config.Config`, with
+dotted ``overrides``. Objects go through :mod:`rlhflab.app.inputs`: written once into the
+run's ``inputs/`` folder and read from there by the same code as the command's, so they get
+the same preparation and the run can be resumed from the command line. The trainer the class
+drives is ``trainer.engine`` (the one the command runs).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from rlhflab.app import inputs as I
+from rlhflab.config import Config, ConfigError, load_config, validate
+from rlhflab.config.base import to_dict
+
+# callback(trainer, step, metrics) after every logged step; a true return stops the run there
+Callback = Callable[["Trainer", int, dict], object]
+
+
+def resolve_config(config, overrides, stage: str) -> Config:
+    """``config``: None (the stage's defaults), a YAML path, a dict of sections (laid over
+    the stage's defaults, as a file is) or a Config (used as it stands); ``overrides``: a
+    dict ``{"ppo.lr": 1e-5}`` or a list ``["ppo.lr=1e-5"]``. Not yet validated: the
+    trainer sets its inputs first."""
+    if isinstance(config, Config):
+        from rlhflab.config.base import build, merge_overrides
+
+        return build(Config, merge_overrides(to_dict(config), overrides))
+    if config is not None and not isinstance(config, (dict, str, os.PathLike)):
+        raise ConfigError(
+            f"config: expected a YAML path, a dict of sections or a Config, got "
+            f"{type(config).__name__}"
+        )
+    path = None if isinstance(config, dict) else config
+    base = config if isinstance(config, dict) else None
+    # the reward may come from the trainer's arguments: checked in full once they are in
+    return load_config(path, overrides, base, stage=stage, reward_given=True)
+
+
+class Trainer:
+    """What every trainer class shares: the config, the engine, callbacks, train and save."""
+
+    stage = ""
+
+    def __init__(self, config, overrides, callbacks, resume: bool):
+        # resume: continue the run in the output folder; its inputs/ are kept as the run's
+        # first start wrote them (models are loaded here, before train() is called)
+        self.resume = resume
+        self.config = resolve_config(config, overrides, self.stage)
+        self.callbacks: list[Callback] = list(callbacks or [])
+        self.engine = None
+
+    def _hooks(self) -> list:
+        def wrap(cb):
+            @functools.wraps(cb)
+            def hook(step, metrics):
+                return cb(self, step, metrics)
+
+            return hook
+
+        return [wrap(cb) for cb in self.callbacks]
+
+    def _start(self, engine) -> None:
+        self.engine = engine
+        engine.step_hooks = self._hooks()
+
+    def train(self, resume: bool | None = None) -> dict:
+        """Train to the configured number of steps; with ``resume`` (default: the
+        constructor's), from the run's newest checkpoint. The summary the command prints."""
+        self.engine.step_hooks = self._hooks()  # callbacks added after construction count
+        return self._train(self.resume if resume is None else resume)
+
+    def _train(self, resume: bool) -> dict:
+        raise NotImplementedError
+
+    @property
+    def model(self):
+        """The trained model (a causal LM, maybe with LoRA adapters; the reward model for
+        :class:`RewardTrainer`)."""
+        raise NotImplementedError
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def save(self, out_dir, merge_lora: bool = True, force: bool = False) -> Path:
+        """Write the trained model as a plain Hugging Face folder (LoRA merged into the
+        weights, or kept as a PEFT adapter with ``merge_lora=False``); refuses a folder that
+        is not empty unless ``force``."""
+        from rlhflab.models.export import save_policy
+
+        return save_policy(self.model, self.tokenizer, out_dir, merge_lora=merge_lora, force=force)
+
+
+class PPOTrainer(Trainer):
+    """PPO against a reward: ``rlhflab ppo`` from Python.
+
+    ``model``: the policy (a folder, ``preset:NAME`` or a model object with ``tokenizer``).
+    ``reward``: a reward-model folder or object, ``module:function``, a callable
+    ``(prompts, responses) -> list[float] | dict[str, list[float]]``, or a list of these or a
+    dict of these to weights. ``prompts``: a path, a list of strings or chat message lists,
+    or a ``datasets.Dataset``/``DatasetDict`` (split ``data.split``); None: the built-in
+    task. ``gold``: a gold reward for the monitor and the report. ``output_dir``: the run
+    directory (``log.output_dir``).
+    """
+
+    stage = "ppo"
+
+    def __init__(
+        self,
+        model="preset:tiny",
+        reward=None,
+        prompts=None,
+        *,
+        tokenizer=None,
+        gold=None,
+        config=None,
+        overrides=None,
+        output_dir=None,
+        callbacks=None,
+        resume: bool = False,
+    ):
+        super().__init__(config, overrides, callbacks, resume)
+        cfg = self.config
+        if output_dir is not None:
+            cfg.log.output_dir = str(output_dir)
+        inputs = Path(cfg.log.output_dir) / "inputs"
+        cfg.model.policy = I.model_folder(model, tokenizer, inputs / "policy", "model", resume)
+        rewards = I.apply_rewards(cfg, reward, tokenizer, inputs, resume)
+        split = getattr(cfg.data, "split", "train")
+        prompt_file = I.rows_file(prompts, inputs / "prompts.jsonl", "prompts", split, I.prompt_row)
+        if prompt_file is not None:
+            cfg.data.prompts = prompt_file
+        gold_fn = I.gold_source(cfg, gold)
+        validate(cfg, self.stage, reward_given=bool(rewards.extra))
+        from rlhflab.trainers.ppo import PPOTrainer as Engine
+
+        self._start(Engine(cfg, rewards=rewards.extra, gold=gold_fn))
+
+    def _train(self, resume: bool) -> dict:
+        return {**self.engine.fit(resume), "output_dir": self.config.log.output_dir}
+
+    @property
+    def model(self):
+        return self.engine.cast.policy_lm
+
+    @property
+    def tokenizer(self):
+        return self.engine.cast.tokenizer
+
+    @property
+    def last_rollout(self):
+        """The last iteration's answers, scores and KL (:class:`~rlhflab.experience.rollout.Rollout`)."""
+        return self.engine.last_rollout
+
+
+class GRPOTrainer(PPOTrainer):
+    """GRPO (group-normalised advantages, no critic): ``rlhflab grpo`` from Python; the
+    arguments of :class:`PPOTrainer`."""
+
+    stage = "grpo"
+
+
+class RLOOTrainer(PPOTrainer):
+    """RLOO (leave-one-out baseline, no critic): ``rlhflab rloo`` from Python; the arguments
+    of :class:`PPOTrainer`."""
+
+    stage = "rloo"
+
+
+class DPOTrainer(Trainer):
+    """DPO on preference pairs: ``rlhflab dpo`` from Python. ``pairs``: a path, a list of
+    ``(prompt, chosen, rejected)`` or of dicts, or a ``datasets.Dataset``; None: the built-in
+    annotator's pairs."""
+
+    stage = "dpo"
+
+    def __init__(
+        self,
+        model="preset:tiny",
+        pairs=None,
+        *,
+        tokenizer=None,
+        config=None,
+        overrides=None,
+        output_dir=None,
+        callbacks=None,
+        resume: bool = False,
+    ):
+        super().__init__(config, overrides, callbacks, resume)
+        cfg = self.config
+        if output_dir is not None:
+            cfg.log.output_dir = str(output_dir)
+        inputs = Path(cfg.log.output_dir) / "inputs"
+        cfg.model.policy = I.model_folder(model, tokenizer, inputs / "policy", "model", resume)
+        split = getattr(cfg.data, "split", "train")
+        data = I.rows_file(pairs, inputs / "pairs.jsonl", "pairs", split, I.pair_row)
+        if data is not None:
+            cfg.dpo.data = data
+        validate(cfg, self.stage)
+        from rlhflab.trainers.dpo import DPOTrainer as Engine
+
+        self._start(Engine(cfg))
+
+    def _train(self, resume: bool) -> dict:
+        return {**self.engine.fit(resume), "output_dir": self.config.log.output_dir}
+
+    @property
+    def model(self):
+        return self.engine.policy
+
+
+class _ModelOut(Trainer):
+    """SFT and RM write their model folder (``<stage>.output_dir``) at the end; their run
+    files (and ``inputs/``) sit in its ``run/`` folder."""
+
+    def _setup(self, output_dir, model, tokenizer, resume):
+        section = getattr(self.config, self.stage)
+        if output_dir is not None:
+            section.output_dir = str(output_dir)
+        inputs = Path(section.output_dir) / "run" / "inputs"
+        return inputs, I.model_folder(model, tokenizer, inputs / "model", "model", resume)
+
+    @property
+    def model(self):
+        return self.engine.model
+
+
+class SFTTrainer(_ModelOut):
+    """Supervised fine-tuning on response tokens: ``rlhflab sft`` from Python. ``data``: a
+    path, a list of ``(prompt, response)`` or of dicts (also chat ``messages``), or a
+    ``datasets.Dataset``; None: the built-in task's teacher answers."""
+
+    stage = "sft"
+
+    def __init__(
+        self,
+        model="preset:tiny",
+        data=None,
+        *,
+        tokenizer=None,
+        config=None,
+        overrides=None,
+        output_dir=None,
+        callbacks=None,
+        resume: bool = False,
+    ):
+        super().__init__(config, overrides, callbacks, resume)
+        cfg = self.config
+        inputs, cfg.model.policy = self._setup(output_dir, model, tokenizer, resume)
+        split = getattr(cfg.data, "split", "train")
+        rows = I.rows_file(data, inputs / "sft.jsonl", "data", split, I.sft_row)
+        if rows is not None:
+            cfg.sft.data = rows
+        validate(cfg, self.stage)
+        from rlhflab.trainers.sft import sft_trainer
+
+        self._start(sft_trainer(cfg))
+
+    def _train(self, resume: bool) -> dict:
+        from rlhflab.trainers.sft import run_sft
+
+        return run_sft(self.engine, resume)
+
+
+class RewardTrainer(_ModelOut):
+    """Bradley-Terry reward-model training: ``rlhflab rm`` from Python. ``model``: the
+    model to start from (a causal LM gets a fresh head per ``rm.heads``); ``pairs`` as for
+    :class:`DPOTrainer`. The result scores answers as ``reward=`` of the other trainers."""
+
+    stage = "rm"
+
+    def __init__(
+        self,
+        model="preset:tiny",
+        pairs=None,
+        *,
+        tokenizer=None,
+        config=None,
+        overrides=None,
+        output_dir=None,
+        callbacks=None,
+        resume: bool = False,
+    ):
+        super().__init__(config, overrides, callbacks, resume)
+        cfg = self.config
+        inputs, cfg.rm.init = self._setup(output_dir, model, tokenizer, resume)
+        split = getattr(cfg.data, "split", "train")
+        rows = I.rows_file(pairs, inputs / "pairs.jsonl", "pairs", split, I.pair_row)
+        if rows is not None:
+            cfg.rm.data = rows
+        validate(cfg, self.stage)
+        from rlhflab.trainers.rm import rm_trainer
+
+        self._start(rm_trainer(cfg))
+
+    def _train(self, resume: bool) -> dict:
+        from rlhflab.trainers.rm import run_rm
+
+        return run_rm(self.engine, resume)
+
+
+__all__ = [
+    "DPOTrainer",
+    "GRPOTrainer",
+    "PPOTrainer",
+    "RLOOTrainer",
+    "RewardTrainer",
+    "SFTTrainer",
+    "Trainer",
+    "resolve_config",
+]

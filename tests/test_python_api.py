@@ -1,0 +1,240 @@
+"""The Python API (docs/python-api.md): every trainer from Python alone, with model objects,
+reward callables, prompt lists and datasets; objects prepared as the command prepares
+folders; the page's first example runs as it stands."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import rlhflab
+from rlhflab.app import inputs as I
+from rlhflab.app.api import resolve_config
+from rlhflab.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+FAST = {
+    "ppo.iterations": 2,
+    "rollout.prompts_per_iteration": 4,
+    "rollout.max_new_tokens": 6,
+    "log.progress": False,
+    "monitor.enabled": False,
+}
+PROMPTS = ["Name a colour.", "What is 2 + 3?", "Say hello.", "Describe the sea."]
+
+
+def short(prompts, responses):
+    """Importable by name: the config can record it."""
+    return [float(len(r) < 12) for r in responses]
+
+
+def nano_object(dropout: float = 0.0):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlhflab.models.presets import preset_path
+
+    path = preset_path("nano")
+    model = AutoModelForCausalLM.from_pretrained(path, attention_dropout=dropout)
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+def test_ppo_from_python_with_a_model_object_a_lambda_and_a_prompt_list(tmp_path):
+    model, tokenizer = nano_object(dropout=0.1)
+    model.train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    seen = []
+    trainer = rlhflab.PPOTrainer(
+        model,
+        reward=lambda prompts, responses: [len(r) / 10 for r in responses],
+        prompts=PROMPTS,
+        tokenizer=tokenizer,
+        overrides=FAST,
+        output_dir=tmp_path / "run",
+        callbacks=[lambda t, step, m: seen.append((step, m["objective/scores"]))],
+    )
+    # the object went through the command's loader: a folder in inputs/, dropout off
+    assert trainer.config.model.policy == str(tmp_path / "run" / "inputs" / "policy")
+    assert trainer.model.config.attention_dropout == 0.0
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+    summary = trainer.train()
+    assert summary["iterations"] == 2 and [s for s, _ in seen] == [1, 2]
+    first = trainer.engine.first_minibatch
+    assert first["policy/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert first["policy/approx_kl"] == pytest.approx(0.0, abs=1e-7)
+    # the caller's object is left as it was
+    assert model.config.attention_dropout == 0.1
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    rows = [json.loads(line) for line in (tmp_path / "run/inputs/prompts.jsonl").open()]
+    assert [r["prompt"] for r in rows] == PROMPTS
+    saved = yaml.safe_load((tmp_path / "run/config.yaml").read_text())
+    assert saved["reward"]["functions"] == {}  # a lambda cannot be named in a file
+    out = trainer.save(tmp_path / "policy")
+    from transformers import AutoModelForCausalLM
+
+    again = AutoModelForCausalLM.from_pretrained(out)
+    ids = torch.tensor([[1, 5, 7, 9]])
+    with torch.no_grad():
+        a = again(ids).logits
+        b = trainer.model.eval()(ids).logits
+    torch.testing.assert_close(a, b)
+
+
+def test_an_importable_reward_is_named_in_the_config_and_resumes_from_the_command(
+    tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    trainer = rlhflab.PPOTrainer(
+        "preset:nano", reward=short, prompts=PROMPTS, overrides=FAST, output_dir="run"
+    )
+    trainer.train()
+    saved = yaml.safe_load(Path("run/config.yaml").read_text())
+    assert saved["reward"]["functions"] == {f"{__name__}:short": 1.0}
+    from rlhflab.app.cli import main
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    assert main(["ppo", "--config", "run/config.yaml", "--resume", "ppo.iterations=3"]) == 0
+    metrics = [json.loads(line) for line in Path("run/metrics.jsonl").open()]
+    assert [m["iteration"] for m in metrics] == [1, 2, 3]
+
+
+def test_a_callback_that_returns_true_stops_the_run_with_a_checkpoint(tmp_path):
+    trainer = rlhflab.GRPOTrainer(
+        "preset:nano",
+        reward=short,
+        prompts=PROMPTS,
+        overrides={**FAST, "ppo.iterations": 5},
+        output_dir=tmp_path,
+        callbacks=[lambda t, step, m: step == 2],
+    )
+    summary = trainer.train()
+    assert summary["iterations"] == 2 and "callback" in summary["stop_reason"]
+    assert (tmp_path / "checkpoints" / "step-2").is_dir()
+
+
+def test_prompts_from_a_dataset_and_a_dataset_dict_split(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_dict({"prompt": PROMPTS, "id": [1, 2, 3, 4]})
+    both = datasets.DatasetDict({"train": ds, "test": ds.select([0])})
+    for data, n in ((ds, 4), (both, 4)):
+        path = I.rows_file(data, tmp_path / "p.jsonl", "prompts", "train", I.prompt_row)
+        rows = [json.loads(line) for line in open(path)]
+        assert len(rows) == n and rows[1] == {"prompt": PROMPTS[1], "id": 2}
+    path = I.rows_file(both, tmp_path / "q.jsonl", "prompts", "test", I.prompt_row)
+    assert len(open(path).readlines()) == 1
+    with pytest.raises(ConfigError, match="no split 'validation'"):
+        I.rows_file(both, tmp_path / "r.jsonl", "prompts", "validation", I.prompt_row)
+    trainer = rlhflab.RLOOTrainer(
+        "preset:nano", reward=short, prompts=both, overrides=FAST, output_dir=tmp_path / "run"
+    )
+    assert trainer.train()["iterations"] == 2
+
+
+def test_sft_rm_and_dpo_from_python_then_ppo_on_their_folders(tmp_path):
+    sft = rlhflab.SFTTrainer(
+        "preset:nano",
+        data=[(p, " fine") for p in PROMPTS] * 4,
+        output_dir=tmp_path / "sft",
+        overrides={"sft.steps": 3, "sft.batch_size": 4, "log.progress": False},
+    )
+    assert sft.train()["steps"] == 3
+    assert (tmp_path / "sft" / "config.json").is_file()
+    pairs = [(p, " yes", " no no no") for p in PROMPTS] * 6
+    rm = rlhflab.RewardTrainer(
+        tmp_path / "sft",
+        pairs=pairs,
+        output_dir=tmp_path / "rm",
+        overrides={
+            "rm.steps": 3,
+            "rm.batch_size": 4,
+            "rm.heads": {"preference": 1.0},
+            "log.progress": False,
+        },
+    )
+    assert set(rm.train()["heldout_accuracy"]) == {"preference"}
+    dpo = rlhflab.DPOTrainer(
+        tmp_path / "sft",
+        pairs=[{"prompt": p, "chosen": c, "rejected": r} for p, c, r in pairs],
+        output_dir=tmp_path / "dpo",
+        overrides={"dpo.steps": 2, "dpo.batch_size": 4, "log.progress": False},
+    )
+    assert dpo.train()["steps"] == 2
+    ppo = rlhflab.PPOTrainer(
+        tmp_path / "sft",
+        reward={tmp_path / "rm": 2.0, short: 0.5},
+        prompts=PROMPTS,
+        overrides={**FAST, "ppo.iterations": 1},
+        output_dir=tmp_path / "ppo",
+    )
+    assert ppo.config.reward.heads == {"preference": 2.0}
+    assert ppo.config.reward.functions == {f"{__name__}:short": 0.5}
+    metrics = ppo.train()["last"]
+    assert "objective/scores/rm/preference" in metrics
+
+
+def test_config_forms_and_a_reward_brought_by_the_caller(tmp_path):
+    with pytest.raises(ConfigError, match="reward: set reward.model"):
+        load_config(overrides=["model.policy=preset:nano"])
+    assert load_config(overrides=["model.policy=preset:nano"], reward_given=True)
+    path = tmp_path / "c.yaml"
+    path.write_text("ppo: {lr: 3.0e-6}\n")
+    for config in (path, {"ppo": {"lr": 3e-6}}, load_config(path, reward_given=True)):
+        cfg = resolve_config(config, {"ppo.epochs": 2}, "ppo")
+        assert (cfg.ppo.lr, cfg.ppo.epochs) == (3e-6, 2)
+    grpo = resolve_config({"ppo": {"lr": 3e-6}}, ["ppo.epochs=2"], "grpo")
+    assert grpo.model.value_model == "none"  # the stage's defaults under a dict
+    with pytest.raises(ConfigError, match="config: expected"):
+        resolve_config(3, None, "ppo")
+    with pytest.raises(ConfigError, match="unknown config key ppo.learning_rate"):
+        rlhflab.PPOTrainer("preset:nano", reward=short, overrides={"ppo.learning_rate": 1})
+
+
+def test_bad_arguments_are_refused_with_their_name(tmp_path):
+    model, tokenizer = nano_object()
+    with pytest.raises(ConfigError, match="model: a model object needs its tokenizer"):
+        rlhflab.PPOTrainer(model, reward=short, output_dir=tmp_path)
+    peft = pytest.importorskip("peft")
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    with pytest.raises(ConfigError, match="PEFT model object"):
+        rlhflab.PPOTrainer(wrapped, tokenizer=tokenizer, reward=short, output_dir=tmp_path)
+    with pytest.raises(ConfigError, match="reward: expected"):
+        rlhflab.PPOTrainer("preset:nano", reward=42, output_dir=tmp_path)
+    with pytest.raises(ConfigError, match="one reward model at most"):
+        rlhflab.PPOTrainer("preset:nano", reward=["a", "b"], output_dir=tmp_path)
+    with pytest.raises(ConfigError, match="prompts: each must be"):
+        rlhflab.PPOTrainer("preset:nano", reward=short, prompts=[3], output_dir=tmp_path)
+    with pytest.raises(ConfigError, match="prompts: no rows"):
+        rlhflab.PPOTrainer("preset:nano", reward=short, prompts=[], output_dir=tmp_path)
+
+
+def test_importable_spec_names_only_what_imports_back():
+    from rlhflab.builtin.tasks import gold_reward
+    from rlhflab.experience.rewards import importable_spec
+
+    assert importable_spec(gold_reward) == "rlhflab.builtin.tasks:gold_reward"
+    assert importable_spec(short) == f"{__name__}:short"
+    assert importable_spec(lambda p, r: r) is None
+
+    def inner(p, r):
+        return r
+
+    assert importable_spec(inner) is None
+
+
+@pytest.mark.slow
+def test_the_first_python_block_of_the_api_page_runs_as_it_stands(tmp_path):
+    text = (ROOT / "docs" / "python-api.md").read_text()
+    block = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    (tmp_path / "example.py").write_text(block)
+    done = subprocess.run(
+        [sys.executable, "example.py"], cwd=tmp_path, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "score at the last iteration:" in done.stdout
+    assert (tmp_path / "runs/python-api/policy/config.json").is_file()
