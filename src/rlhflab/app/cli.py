@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 
+from rlhflab.app.around import add_parsers, cmd_eval, cmd_export, cmd_generate
 from rlhflab.backends.allocator import CHOICES, ENV_CHOICE, AllocatorError, in_use, restart_under
 
 
@@ -107,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     ppo = sub.add_parser("ppo", help="PPO against a reward model")
     _config_args(ppo)
     ppo.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    # export, generate, eval: the commands around training (app/around.py)
+    add_parsers(sub, _config_args)
     return parser
 
 
@@ -264,6 +267,9 @@ COMMANDS = {
     "rloo": cmd_grpo,
     "dpo": cmd_dpo,
     "compare": cmd_compare,
+    "export": cmd_export,
+    "generate": cmd_generate,
+    "eval": cmd_eval,
 }
 
 

@@ -42,8 +42,7 @@ def method_config(cfg: Config, method: str, run: Path) -> Config:
 
 def worker(method: str, config_json: str, eval_prompts: int) -> dict:
     """Train one method, evaluate it, return its row (runs in a fresh process)."""
-    from rlhflab.builtin import tasks
-    from rlhflab.diagnostics.evaluate import evaluate_policy
+    from rlhflab.diagnostics.evaluate import evaluate_policy, heldout_prompts
     from rlhflab.diagnostics.memory import peak_rss_bytes
     from rlhflab.experience.cast import load_frozen_policy
 
@@ -70,7 +69,7 @@ def worker(method: str, config_json: str, eval_prompts: int) -> dict:
     # the proxy is the same weighted reward model for every method (DPO never saw it)
     reward = trainer.cast.reward if method != "dpo" else _reward_only(cfg)
     sft = load_frozen_policy(cfg, tok)
-    prompts = [ex.prompt for ex in tasks.make_examples(eval_prompts, seed=10_000 + cfg.seed)]
+    prompts = heldout_prompts(eval_prompts, cfg.seed)
     result = evaluate_policy(
         policy, sft, tok, prompts, reward, cfg.rollout.max_new_tokens, seed=cfg.seed
     )

@@ -14,9 +14,8 @@ import time
 from pathlib import Path
 
 from rlhflab.app.tables import DEMO_COLUMNS
-from rlhflab.builtin import tasks
 from rlhflab.config import load_config
-from rlhflab.diagnostics.evaluate import evaluate_policy
+from rlhflab.diagnostics.evaluate import evaluate_policy, heldout_prompts
 from rlhflab.experience.cast import load_frozen_policy
 
 log = logging.getLogger(__name__)
@@ -132,9 +131,7 @@ def run_demo(
 
     # Evaluation on held-out prompts (a seed the training prompts never use).
     t0 = time.perf_counter()
-    prompts = [
-        ex.prompt for ex in tasks.make_examples(PRESETS[preset]["eval_prompts"], seed=10_000 + seed)
-    ]
+    prompts = heldout_prompts(PRESETS[preset]["eval_prompts"], seed)
     tok = trainer.cast.tokenizer
     sft_model = load_frozen_policy(cfg, tok, trainer.device)
     kw = {

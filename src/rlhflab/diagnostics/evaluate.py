@@ -16,6 +16,12 @@ from rlhflab.experience.rewards import RewardBatch
 from rlhflab.experience.rollout import generate_rollout, response_slice
 
 
+def heldout_prompts(n: int, seed: int) -> list[str]:
+    """``n`` prompts of the built-in task that training never sees (it draws from seed + 101;
+    these from 10 000 + seed): the held-out set of the demo, ``compare`` and ``eval``."""
+    return [ex.prompt for ex in tasks.make_examples(n, seed=10_000 + seed)]
+
+
 @torch.no_grad()
 def evaluate_policy(
     policy,
@@ -65,10 +71,18 @@ def evaluate_policy(
             rows["proxy"] += reward(
                 RewardBatch(ro.prompts, ro.responses, seqs, attn, ro.ended)
             ).score.tolist()
-        for p, r in zip(ro.prompts, ro.responses):
-            j = tasks.judge(p, r)
-            rows["gold"].append(j.gold)
-            rows["accuracy"].append(float(j.correct == 1.0))
-            rows["flattery_rate"].append(float(j.flattery))
-            rows["repetition_rate"].append(float(j.repetitive))
+        for key, values in judge_answers(ro.prompts, ro.responses).items():
+            rows[key] += values
     return {k: sum(v) / len(v) for k, v in rows.items() if v}
+
+
+def judge_answers(prompts: list[str], responses: list[str]) -> dict[str, list[float]]:
+    """The built-in task's verdict on each answer (:func:`rlhflab.builtin.tasks.judge`): gold
+    reward, exact accuracy (0/1), flattery and repetition (0/1)."""
+    verdicts = [tasks.judge(p, r) for p, r in zip(prompts, responses)]
+    return {
+        "gold": [j.gold for j in verdicts],
+        "accuracy": [float(j.correct == 1.0) for j in verdicts],
+        "flattery_rate": [float(j.flattery) for j in verdicts],
+        "repetition_rate": [float(j.repetitive) for j in verdicts],
+    }

@@ -13,18 +13,17 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 from collections import Counter
 from pathlib import Path
 
 import torch
 
+from rlhflab.models.export import DTYPES, building_folder, check_out_dir
 from rlhflab.models.prepare import ModelLoadError, first_line, quiet_transformers
 
 log = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install 'rlhflab[gguf]'"
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MAGIC = b"GGUF"
 # keys the GGUF route leaves in a config or tokenizer config that describe how this one load
 # happened (the source file, hub flags), not the model: a plain folder must not carry them
@@ -193,35 +192,17 @@ def _write_weights(model, folder: Path, dtype: torch.dtype) -> int:
     return sum(t.numel() for t in state.values())
 
 
-def _check_out_dir(out: Path, force: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise GGUFError(f"{out}: exists and is not a folder")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise GGUFError(f"{out}: exists and is not empty; choose another folder or pass --force")
-
-
-def _replace(tmp: Path, out: Path) -> None:
-    """Put the finished ``tmp`` at ``out``; an old ``out`` (``--force``) is moved aside first
-    and deleted only once the new folder is in place."""
-    aside = None
-    if out.exists():
-        aside = out.with_name(f".{out.name}.old-{os.getpid()}")
-        out.rename(aside)
-    tmp.rename(out)
-    if aside is not None:
-        shutil.rmtree(aside, ignore_errors=True)
-
-
 def convert_gguf(src: str | Path, out: str | Path, dtype: str = "fp32", force: bool = False):
     """Write the GGUF file ``src`` as a Hugging Face folder ``out``; returns a summary dict.
 
-    The folder is built in a temporary sibling and renamed into place, so a failure at any
-    point leaves ``out`` as it was. ``dtype``: 'fp32' or 'bf16' for the saved weights."""
+    The folder is built in a temporary sibling and renamed into place
+    (:func:`rlhflab.models.export.building_folder`), so a failure at any point leaves
+    ``out`` as it was. ``dtype``: 'fp32' or 'bf16' for the saved weights."""
     src, out = Path(src).expanduser(), Path(out).expanduser()
     if dtype not in DTYPES:
         raise GGUFError(f"--dtype: {dtype!r} is not one of {sorted(DTYPES)}")
     info = inspect_gguf(src)
-    _check_out_dir(out, force)
+    check_out_dir(out, force, GGUFError)
     types = ", ".join(f"{n} {t}" for t, n in sorted(info["types"].items()))
     log.info(
         "reading %s: %s, %d tensors (%s), %.1f MB",
@@ -232,19 +213,11 @@ def convert_gguf(src: str | Path, out: str | Path, dtype: str = "fp32", force: b
         info["bytes"] / 1e6,
     )
     model, tokenizer = _load_with_transformers(src, info)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir(parents=True)
+    with building_folder(out, GGUFError) as tmp:
         log.info("writing %s (%s)", out, dtype)
         _write_config(model, tmp, DTYPES[dtype])
         params = _write_weights(model, tmp, DTYPES[dtype])
         _write_tokenizer(tokenizer, tmp, model.get_input_embeddings().weight.shape[0])
-        _replace(tmp, out)
-    except OSError as exc:  # no space, no permission: one line, and nothing left behind
-        raise GGUFError(f"{out}: cannot be written ({first_line(exc)})") from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return {
         "source": str(src),
         "output": str(out),

@@ -291,6 +291,24 @@ def apply_lora(lm: nn.Module, r: int, alpha: float, targets: list[str]):
         return get_peft_model(lm, cfg)
 
 
+def load_lora_adapter(lm: nn.Module, folder: str | Path) -> nn.Module:
+    """``lm`` with the PEFT adapter saved in ``folder`` (``adapter_config.json``) on it."""
+    try:
+        from peft import PeftModel
+    except ImportError:
+        raise ModelLoadError(
+            f"{folder}: a LoRA adapter needs peft: pip install 'rlhflab[lora]'"
+        ) from None
+    try:
+        with warnings.catch_warnings():  # as in apply_lora: peft's use of a deprecated name
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*deprecated")
+            return PeftModel.from_pretrained(lm, str(folder))
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise ModelLoadError(
+            f"{folder}: the adapter cannot be loaded ({first_line(exc)})"
+        ) from None
+
+
 def module_bytes(model: nn.Module) -> int:
     """Bytes of all weights, tied tensors once; int8-packed Linear weights (their state_dict
     holds a (qweight, bias) tuple) count 1 byte per weight."""
