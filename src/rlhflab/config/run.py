@@ -12,10 +12,16 @@ from rlhflab.config.base import setting
 class DataConfig:
     prompts: str | None = setting(
         None,
-        "Prompt file: .jsonl, .parquet or .csv with a `prompt` string or chat `messages` "
-        "per row. None: the built-in task's prompts.",
+        "Prompts: a .jsonl, .parquet or .csv file or a save_to_disk folder, with a `prompt` "
+        "(a string or a list of chat messages) or chat `messages` per row (docs/data.md). "
+        "None: the built-in task's prompts.",
     )
-    prompt_field: str = setting("prompt", "Column holding the prompt text.")
+    split: str = setting(
+        "train",
+        "The split read from a DatasetDict (a save_to_disk folder of one, or the object): "
+        "for every stage's data (data.prompts, sft.data, rm.data, dpo.data).",
+    )
+    prompt_field: str = setting("prompt", "Column holding the prompt (text or chat messages).")
     messages_field: str = setting(
         "messages", "Column holding chat messages (rendered with the tokenizer's chat template)."
     )

@@ -27,8 +27,9 @@ class GRPOConfig:
 class DPOConfig:
     data: str | None = setting(
         None,
-        "Preference pairs (prompt, chosen, rejected). None: the built-in annotator's, "
-        "labelled with the rm.* annotator settings.",
+        "Preference pairs (prompt, chosen, rejected; strings or chat messages): a data file "
+        "or save_to_disk folder (docs/data.md). None: the built-in annotator's, labelled "
+        "with the rm.* annotator settings.",
     )
     pairs: int = setting(3000, "Built-in preference pairs to label.", low=1)
     beta: float = setting(
@@ -46,8 +47,9 @@ class DPOConfig:
 class SFTConfig:
     data: str | None = setting(
         None,
-        "SFT data: .jsonl/.csv/.parquet rows with `prompt` and `response` strings. None: the "
-        "built-in task's noisy-teacher answers.",
+        "SFT data: .jsonl/.csv/.parquet rows or a save_to_disk folder, with `prompt` and "
+        "`response` (or `completion`) strings or chat messages, or a chat conversation in "
+        "`messages` (docs/data.md). None: the built-in task's noisy-teacher answers.",
     )
     examples: int = setting(4000, "Built-in teacher examples to generate.", low=1)
     output_dir: str = setting("runs/sft/model", "Where the fine-tuned policy is saved (HF folder).")
@@ -72,7 +74,8 @@ class SFTConfig:
 class RMConfig:
     data: str | None = setting(
         None,
-        "Preference pairs: rows with `prompt`, `chosen`, `rejected` and optional `labels` "
+        "Preference pairs: file or save_to_disk folder rows with `prompt`, `chosen`, "
+        "`rejected` (strings or chat messages, docs/data.md) and optional `labels` "
         "(attribute → 1/0/0.5). None: the built-in simulated annotator.",
     )
     init: str | None = setting(

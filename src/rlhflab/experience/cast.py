@@ -128,10 +128,12 @@ def freeze_reward_model(rm: nn.Module, cfg: Config, device, offload: bool) -> nn
     return rm.to(device) if precision != "int8" else rm
 
 
-def load_frozen_reward_model(cfg: Config, device) -> tuple[nn.Module, object]:
+def load_frozen_reward_model(cfg: Config, device, tokenizer=None) -> tuple[nn.Module, object]:
     """(frozen reward model, its tokenizer) of ``reward.model``, as the cast holds it
-    (without offloading): for ``rlhflab rm --check`` and the evaluation helpers."""
-    tokenizer = load_reward_tokenizer(cfg)
+    (without offloading): for ``rlhflab rm --check`` and the evaluation helpers.
+    ``tokenizer``: the reward tokenizer where the caller has already loaded it."""
+    if tokenizer is None:
+        tokenizer = load_reward_tokenizer(cfg)
     rm = load_reward_model(cfg, tokenizer)
     return freeze_reward_model(rm, cfg, torch.device(device), offload=False), tokenizer
 

@@ -170,6 +170,7 @@ def load_prompt_set(cfg: Config, tokenizer) -> PromptStream:
             cfg.data.prompt_field,
             cfg.data.messages_field,
             cfg.data.on_bad_row,
+            cfg.data.split,
         )
     else:
         prompts = [ex.prompt for ex in tasks.make_examples(2000, seed=cfg.seed + 101)]

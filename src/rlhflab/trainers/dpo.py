@@ -64,10 +64,10 @@ class DPOTrainer:
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
         self.device = resolve_device(cfg.device)
-        # a data file is read before the model is loaded: a bad row is reported in seconds
-        pairs = load_preferences(d.data) if d.data else None
         mc = cfg.model
-        self.tokenizer = load_tokenizer_for(mc.policy, mc)
+        self.tokenizer = load_tokenizer_for(mc.policy, mc)  # renders chat rows
+        # the data is read before the model is loaded: a bad row is reported in seconds
+        pairs = load_preferences(d.data, self.tokenizer, cfg.data.split) if d.data else None
         lm = load_model(mc.policy, self.tokenizer, mc)
         if mc.lora_r:
             lm = M.apply_lora(lm, mc.lora_r, mc.lora_alpha, mc.lora_targets)

@@ -22,8 +22,8 @@ from rlhflab.builtin import tasks
 from rlhflab.config import Config, ConfigError
 from rlhflab.core import losses as L
 from rlhflab.diagnostics.rm_checks import gold_warning, length_warning, reward_checks
-from rlhflab.experience.cast import load_frozen_reward_model
-from rlhflab.experience.data import DataError, PreferencePair, load_preferences
+from rlhflab.experience.cast import load_frozen_reward_model, load_reward_tokenizer
+from rlhflab.experience.data import DataError, PreferencePair, load_preferences, source_name
 from rlhflab.experience.rewards import FunctionReward, RewardBatch, encode_for_reward, reward_scores
 from rlhflab.infra.distributed import resolve_device
 from rlhflab.models.build import finish_models, load_model, load_tokenizer_for, to_trained
@@ -205,13 +205,16 @@ def check_reward_model(cfg: Config) -> dict:
     """
     if not cfg.reward.model:
         raise ConfigError("rm --check: set reward.model to the reward model folder to check")
-    pairs = load_preferences(cfg.rm.data) if cfg.rm.data else None
     device = resolve_device(cfg.device)
+    tokenizer = load_reward_tokenizer(cfg)  # renders chat rows
+    data, split = cfg.rm.data, cfg.data.split
+    pairs = load_preferences(data, tokenizer, split) if data else None
     # frozen: in model.reward_precision, as PPO will score with it; a causal LM is refused
-    model, tokenizer = load_frozen_reward_model(cfg, device)
+    model, tokenizer = load_frozen_reward_model(cfg, device, tokenizer)
     heads = [model.config.id2label[i] for i in range(model.config.num_labels)]
     held, _ = split_pairs(pairs if pairs is not None else builtin_pairs(cfg), cfg)
-    targets = head_targets(held, heads, cfg.rm.data or "the built-in pairs", strict=False)
+    where = source_name(data, split) if data else "the built-in pairs"
+    targets = head_targets(held, heads, where, strict=False)
     checks = check_heldout(model, tokenizer, held, targets, heads, cfg, device)
     warn_about(checks)
     return write_checks(checks, Path(cfg.log.output_dir))
@@ -251,10 +254,10 @@ def rm_trainer(cfg: Config) -> SupervisedTrainer:
     heads = list(r.heads)
     if not heads:
         raise ConfigError("rm.heads: at least one head is needed")
-    # a data file is read before the model is loaded: a bad row is reported in seconds
-    pairs = load_preferences(r.data) if r.data else None
     init = r.init or cfg.model.policy
-    tokenizer = load_tokenizer_for(init, cfg.model, "rm.init")
+    tokenizer = load_tokenizer_for(init, cfg.model, "rm.init")  # renders chat rows
+    # the data is read before the model is loaded: a bad row is reported in seconds
+    pairs = load_preferences(r.data, tokenizer, cfg.data.split) if r.data else None
     # a causal LM (the SFT model) legitimately starts here with a fresh head; fp32 whatever
     # the folder's dtype: these are the trained weights
     model = load_model(
@@ -266,7 +269,7 @@ def rm_trainer(cfg: Config) -> SupervisedTrainer:
     model.config.label2id = {h: i for i, h in enumerate(heads)}
     if pairs is None:
         pairs = builtin_pairs(cfg)
-    where = r.data or "the built-in pairs"
+    where = source_name(r.data, cfg.data.split) if r.data else "the built-in pairs"
     held, train = split_pairs(pairs, cfg)
     if not train:
         raise DataError(f"{where}: too few pairs to hold out {len(held)} and still train")

@@ -15,7 +15,7 @@ from rlhflab import models as M
 from rlhflab.builtin import tasks
 from rlhflab.config import Config
 from rlhflab.core import algorithms as A
-from rlhflab.experience.data import DataError, iter_rows
+from rlhflab.experience.data import DataError, open_rows, sft_pair
 from rlhflab.infra.distributed import resolve_device
 from rlhflab.models.build import finish_models, load_model, load_tokenizer_for, to_trained
 from rlhflab.trainers.supervised import SupervisedTrainer
@@ -31,17 +31,18 @@ def builtin_sft_pairs(n: int, seed: int) -> list[tuple[str, str]]:
     ]
 
 
-def load_sft_pairs(path) -> list[tuple[str, str]]:
+def load_sft_pairs(source, tokenizer=None, split="train") -> list[tuple[str, str]]:
+    """(prompt, response) pairs of a data file, dataset folder, Dataset or list of dicts:
+    strings as they are, chat messages rendered with ``tokenizer``'s chat template
+    (:func:`rlhflab.experience.data.sft_pair`). ``split``: a DatasetDict's part."""
+    rows = open_rows(source, split)
     pairs = []
-    for n, row in iter_rows(path):
+    for n, row in rows:
         if isinstance(row, DataError):
             raise row
-        for key in ("prompt", "response"):
-            if not isinstance(row.get(key), str) or not row[key].strip():
-                raise DataError(f"{path}:{n}: field '{key}' must be a non-empty string")
-        pairs.append((row["prompt"], row["response"]))
+        pairs.append(sft_pair(row, tokenizer, rows.where(n)))
     if not pairs:
-        raise DataError(f"{path}: no SFT rows")
+        raise DataError(f"{rows.name}: no SFT rows")
     return pairs
 
 
@@ -74,13 +75,13 @@ def response_nll(model, tokenizer, pairs, device) -> torch.Tensor:
 
 
 def sft_trainer(cfg: Config) -> SupervisedTrainer:
-    """The SFT run of ``cfg``: the data read first (a bad row is reported before any model
-    is loaded), then the policy, prepared as every command prepares it."""
+    """The SFT run of ``cfg``: the tokenizer and the data read first (a bad row is reported
+    before any model is loaded), then the policy, prepared as every command prepares it."""
     s = cfg.sft
     torch.manual_seed(cfg.seed)
     device = resolve_device(cfg.device)
-    pairs = load_sft_pairs(s.data) if s.data else None
-    tokenizer = load_tokenizer_for(cfg.model.policy, cfg.model)
+    tokenizer = load_tokenizer_for(cfg.model.policy, cfg.model)  # renders chat rows
+    pairs = load_sft_pairs(s.data, tokenizer, cfg.data.split) if s.data else None
     model = load_model(cfg.model.policy, tokenizer, cfg.model)
     finish_models(cfg.model, device, trained=(model,))
     model = to_trained(model, device, "the SFT policy")
