@@ -120,19 +120,20 @@ def test_a_callback_that_returns_true_stops_the_run_with_a_checkpoint(tmp_path):
 
 def test_prompts_from_a_dataset_and_a_dataset_dict_split(tmp_path):
     datasets = pytest.importorskip("datasets")
+    from rlhflab.experience.data import iter_rows
+
     ds = datasets.Dataset.from_dict({"prompt": PROMPTS, "id": [1, 2, 3, 4]})
     both = datasets.DatasetDict({"train": ds, "test": ds.select([0])})
-    for data, n in ((ds, 4), (both, 4)):
-        path = I.rows_file(data, tmp_path / "p.jsonl", "prompts", "train", I.prompt_row)
-        rows = [json.loads(line) for line in open(path)]
-        assert len(rows) == n and rows[1] == {"prompt": PROMPTS[1], "id": 2}
-    path = I.rows_file(both, tmp_path / "q.jsonl", "prompts", "test", I.prompt_row)
-    assert len(open(path).readlines()) == 1
+    for data, split, n in ((ds, "train", 4), (both, "train", 4), (both, "test", 1)):
+        path = I.rows_file(data, tmp_path / f"{split}.jsonl", "prompts", split, I.prompt_row)
+        rows = [row for _, row in iter_rows(path)]  # a save_to_disk folder, types kept
+        assert len(rows) == n and rows[0] == {"prompt": PROMPTS[0], "id": 1}
     with pytest.raises(ConfigError, match="no split 'validation'"):
         I.rows_file(both, tmp_path / "r.jsonl", "prompts", "validation", I.prompt_row)
     trainer = rlhflab.RLOOTrainer(
         "preset:nano", reward=short, prompts=both, overrides=FAST, output_dir=tmp_path / "run"
     )
+    assert trainer.config.data.prompts == str(tmp_path / "run" / "inputs" / "prompts")
     assert trainer.train()["iterations"] == 2
 
 

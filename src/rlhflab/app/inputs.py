@@ -101,35 +101,41 @@ def _write_jsonl(rows: list[dict], path: Path) -> str:
     return str(path)
 
 
-def _dataset_rows(data, split: str, what: str) -> list | None:
-    """The rows of a ``datasets.Dataset`` or one split of a ``DatasetDict``; None for
-    anything else (checked without importing ``datasets``)."""
+def _dataset(data, split: str, what: str):
+    """A ``datasets.Dataset`` (one split of a ``DatasetDict``), or None for anything else;
+    checked by type name, without importing ``datasets``."""
     kind = type(data).__name__
-    if kind == "DatasetDict" or (isinstance(data, Mapping) and kind != "dict"):
+    if kind == "DatasetDict":
         if split not in data:
-            raise ConfigError(f"{what}: the DatasetDict has no split {split!r} ({sorted(data)})")
-        data = data[split]
-        kind = type(data).__name__
-    if kind in ("Dataset", "IterableDataset") and hasattr(data, "to_list"):
-        return data.to_list()
+            raise ConfigError(
+                f"{what}: the DatasetDict has no split {split!r} (data.split); it has "
+                f"{', '.join(repr(k) for k in data)}"
+            )
+        data, kind = data[split], type(data[split]).__name__
     if kind == "IterableDataset":
-        return list(data)
-    return None
+        raise ConfigError(f"{what}: an IterableDataset cannot be read twice; pass a Dataset")
+    return data if kind == "Dataset" else None
 
 
 def rows_file(data, path: Path, what: str, split: str, as_row: Callable[[object], dict]):
     """A data argument as a path the loaders read: a path as it is; a list (items through
-    ``as_row``), a ``datasets.Dataset`` or a split of a ``DatasetDict`` written to ``path``
-    as JSONL. None stays None (the built-in data)."""
+    ``as_row``) written to ``path`` as JSONL; a ``datasets.Dataset`` or a split of a
+    ``DatasetDict`` saved with ``save_to_disk`` beside it (its column types kept). None
+    stays None (the built-in data)."""
     if data is None or isinstance(data, (str, os.PathLike)):
         return None if data is None else str(data)
-    rows = _dataset_rows(data, split, what)
-    if rows is None:
-        if not isinstance(data, (list, tuple)):
-            raise ConfigError(
-                f"{what}: expected a path, a list or a datasets.Dataset, got {type(data).__name__}"
-            )
-        rows = [as_row(item) for item in data]
+    dataset = _dataset(data, split, what)
+    if dataset is not None:
+        if len(dataset) == 0:
+            raise ConfigError(f"{what}: no rows")
+        folder = path.with_suffix("")
+        _atomic_dir(folder, dataset.save_to_disk)
+        return str(folder)
+    if not isinstance(data, (list, tuple)):
+        raise ConfigError(
+            f"{what}: expected a path, a list or a datasets.Dataset, got {type(data).__name__}"
+        )
+    rows = [as_row(item) for item in data]
     if not rows:
         raise ConfigError(f"{what}: no rows")
     return _write_jsonl(rows, path)
