@@ -9,7 +9,9 @@ never trained on.
     python examples/smollm2/task.py OUT_DIR   # writes OUT_DIR/train.jsonl, OUT_DIR/heldout.jsonl
 
 ``correct`` is both the PPO reward and the gold reward (the answer is checked, not judged):
-1.0 when the first integer in the answer is the sum, else 0.0.
+1.0 when the last integer in the answer is the sum, else 0.0. The last, not the first: the
+model often restates the question ("7 + 5 = 12"), and an answer cut off after restating it
+("Here it is: 7 + ") ends on an operand and scores 0.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pathlib import Path
 
 QUESTION = "What is {a} + {b}? Answer with just the number."
 ASKED = re.compile(r"What is (\d) \+ (\d)\?")
-FIRST_INT = re.compile(r"-?\d+")
+INTEGER = re.compile(r"-?\d+")
 
 
 def problems(seed: int = 0) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
@@ -47,15 +49,15 @@ def write(out_dir: str | Path) -> tuple[Path, Path]:
 
 
 def correct(prompts: list[str], responses: list[str]) -> list[float]:
-    """1.0 where the answer's first integer is the sum the prompt asks for."""
+    """1.0 where the answer's last integer is the sum the prompt asks for."""
     scores = []
     for prompt, response in zip(prompts, responses):
         asked = ASKED.findall(prompt)
         if not asked:
             raise ValueError(f"not a single-digit sum prompt: {prompt[-80:]!r}")
         a, b = asked[-1]
-        found = FIRST_INT.search(response)
-        scores.append(float(found is not None and int(found.group()) == int(a) + int(b)))
+        found = INTEGER.findall(response)
+        scores.append(float(bool(found) and int(found[-1]) == int(a) + int(b)))
     return scores
 
 
