@@ -65,6 +65,7 @@ def test_ppo_from_python_with_a_model_object_a_lambda_and_a_prompt_list(tmp_path
     assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
     summary = trainer.train()
     assert summary["iterations"] == 2 and [s for s, _ in seen] == [1, 2]
+    assert "objective/scores/<lambda>" in summary["last"]  # logged under its own name
     first = trainer.engine.first_minibatch
     assert first["policy/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
     assert first["policy/approx_kl"] == pytest.approx(0.0, abs=1e-7)

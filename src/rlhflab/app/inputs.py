@@ -225,7 +225,11 @@ def apply_rewards(cfg: Config, reward, tokenizer, inputs: Path, reuse: bool) -> 
             if spec:
                 cfg.reward.functions[spec] = weight
             else:
-                source = CallableReward(item)
+                name = getattr(item, "__qualname__", None) or type(item).__name__
+                taken = {source.name for source, _ in out.extra}
+                if name in taken:  # two lambdas: each component keeps its own log column
+                    name = f"{name}#{len(out.extra) + 1}"
+                source = CallableReward(item, name)
                 log.info(
                     "reward %s cannot be imported by name (a lambda, a closure or a function "
                     "of __main__): it is not in config.yaml; resume this run from Python with "
