@@ -225,7 +225,7 @@ def apply_rewards(cfg: Config, reward, tokenizer, inputs: Path, reuse: bool) -> 
             if spec:
                 cfg.reward.functions[spec] = weight
             else:
-                name = getattr(item, "__qualname__", None) or type(item).__name__
+                name = getattr(item, "__name__", None) or type(item).__name__
                 taken = {source.name for source, _ in out.extra}
                 if name in taken:  # two lambdas: each component keeps its own log column
                     name = f"{name}#{len(out.extra) + 1}"
