@@ -70,7 +70,7 @@ class DPOTrainer:
         self.tokenizer = load_tokenizer_for(mc.policy, mc)
         lm = load_model(mc.policy, self.tokenizer, mc)
         if mc.lora_r:
-            lm = M.apply_lora(lm, mc.lora_r, mc.lora_alpha, mc.lora_targets)
+            lm = M.apply_lora(lm, mc.lora_r, mc.lora_alpha, mc.lora_targets, seed=cfg.seed)
         self.reference = M.make_reference(
             lm, mc.reference_precision, mc.offload_frozen, self.device
         )
