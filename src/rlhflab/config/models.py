@@ -112,7 +112,7 @@ class ModelConfig:
         "linear layer needed to match full fine-tuning, attention alone falling short, and "
         "the MLP's adapters cost about r·(hidden + intermediate) weights per matrix. Or a "
         "list of names as peft matches them, the last parts of a layer's path ([q_proj, "
-        "v_proj], [attn.c_proj]); [q_proj, k_proj, v_proj, o_proj] is the default before "
+        "v_proj], [attn.c_proj]); [q_proj, k_proj, v_proj, o_proj] was the default until "
         "issue #26 (attention only, Llama names). A name that matches no Linear layer of the "
         "model is refused, with the model's Linear layer names.",
     )
