@@ -31,6 +31,9 @@ LAYOUTS = {
     "LoRA policy (ref = base) + int8 reward": {
         "model.value_model": "shared",
         "model.lora_r": 8,
+        # the attention-only targets of the table in docs/benchmarks.md (the default before
+        # issue #26; model.lora_targets is now all-linear)
+        "model.lora_targets": ["q_proj", "k_proj", "v_proj", "o_proj"],
         "model.reward_precision": "int8",
     },
 }

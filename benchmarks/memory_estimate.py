@@ -37,7 +37,11 @@ LAYOUTS = {
     "separate critic, 1 minibatch": ["ppo.minibatches=1"],
     "shared backbone": ["model.value_model=shared"],
     "checkpointing, native": ["model.gradient_checkpointing=true", "model.runtime=native"],
-    "LoRA r=8": ["model.lora_r=8"],
+    # the attention-only targets these rows were measured with (the default before issue
+    # #26; model.lora_targets is now all-linear)
+    "LoRA r=8": ["model.lora_r=8", "model.lora_targets=[q_proj,k_proj,v_proj,o_proj]"],
+    "LoRA critic r=8": ["model.critic_lora_r=8"],
+    "LoRA critic r=8, bf16": ["model.critic_lora_r=8", "model.reference_precision=bf16"],
 }
 MIB = 1024 * 1024
 
@@ -83,11 +87,13 @@ def measure(preset: str, overrides: list[str]) -> tuple[float, float, str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--presets", nargs="+", default=["tiny", "small", "medium"])
+    ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     args = ap.parse_args()
     torch.set_num_threads(1)
     print(f"{'preset':<8} {'layout':<32} {'estimate':>9} {'actual':>9} {'ratio':>6}  largest phase")
     for preset in args.presets:
-        for name, overrides in LAYOUTS.items():
+        for name in args.layouts:
+            overrides = LAYOUTS[name]
             est, actual, largest = measure(preset, overrides)
             print(
                 f"{preset:<8} {name:<32} {est:>9.1f} {actual:>9.1f} {est / actual:>6.2f}  {largest}"

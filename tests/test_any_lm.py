@@ -74,3 +74,93 @@ def test_the_native_runtime_refuses_what_it_cannot_run(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "model_type='gpt2' is not supported by model.runtime=native" in err, err
     assert "model.runtime=transformers" in err and "Traceback" not in err
+
+
+STAGE_ARGS = {
+    "sft": ["sft.steps=3", "sft.examples=16", "sft.batch_size=4"],
+    "rm": ["rm.steps=3", "rm.pairs=24", "rm.batch_size=4", "rm.heldout_fraction=0.25"],
+    "dpo": ["dpo.steps=3", "dpo.pairs=16", "dpo.batch_size=4", "log.checkpoint_every=3"],
+}
+
+
+def losses(run_dir) -> list[float]:
+    from rlhflab.infra.runlog import read_jsonl
+
+    return [row["loss"] for row in read_jsonl(run_dir / "metrics.jsonl")]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """GPT-2 (Conv1D layers, tied head) and Qwen2 (untied), built once for the module."""
+    root = tmp_path_factory.mktemp("any-lm")
+    return {
+        kind: build(kind, root / kind, tied=kind == "gpt2", pad="eos", side="left")[0]
+        for kind in ("gpt2", "qwen2")
+    }
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "qwen2"])
+@pytest.mark.parametrize(
+    "stage, lora", [("sft", False), ("rm", False), ("dpo", False), ("dpo", True)]
+)
+def test_sft_rm_and_dpo_train_other_causal_lms_into_folders_that_reload(
+    tmp_path, built, kind, stage, lora
+):
+    """issue #26: each stage a few steps on GPT-2 and Qwen2, LoRA where the stage has it
+    (DPO) with model.lora_targets at its default."""
+    from rlhflab import models as M
+
+    folder = built[kind]
+    out = tmp_path / "out"
+    where = f"log.output_dir={out}" if stage == "dpo" else f"{stage}.output_dir={out}"
+    extra = ["model.lora_r=4"] if lora else []
+    args = [stage, f"model.policy={folder}", "device=cpu", "log.progress=false", where]
+    assert main([*args, *STAGE_ARGS[stage], *extra]) == 0
+    run = out if stage == "dpo" else out / "run"
+    assert len(losses(run)) == 3 and all(torch.isfinite(torch.tensor(losses(run))))
+    tok = M.load_tokenizer(folder)
+    start = M.load_causal_lm(folder, tok)
+    ids = torch.tensor([tok("copy: red\nanswer: red", add_special_tokens=False)["input_ids"]])
+    mask = torch.ones_like(ids)
+    if stage == "rm":  # a finished reward model: its four trained heads score a text
+        rm = M.load_sequence_classifier(out, tok, trained_head_for="reward.model")
+        assert rm.config.num_labels == 4
+        assert torch.isfinite(rm(input_ids=ids, attention_mask=mask).logits).all()
+        return
+    saved = out if stage == "sft" else out / "checkpoints" / "step-3" / "policy"
+    if lora:  # the adapters alone, on the base model they were trained from
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(M.load_causal_lm(folder, tok), saved)
+        trained = [p for n, p in model.named_parameters() if "lora_B" in n]
+        assert trained and any(p.abs().max() > 0 for p in trained)
+    else:
+        model = M.load_causal_lm(saved, tok)
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    assert torch.isfinite(logits).all()
+    assert not torch.equal(logits, start(input_ids=ids, attention_mask=mask).logits)
+
+
+def test_ppo_with_lora_on_gpt2_adapts_its_own_layers_and_saves_the_adapters(tmp_path, built):
+    from safetensors.torch import load_file
+
+    folder = built["gpt2"]
+    t = PPOTrainer(
+        make_cfg(
+            tmp_path,
+            f"model.policy={folder}",
+            "ppo.iterations=1",
+            "model.lora_r=4",
+            "model.value_model=auto",
+        )
+    )
+    t.fit()
+    assert t.cast.value_layout == "shared"  # auto with LoRA: a head on the policy's backbone
+    assert t.first_minibatch["policy/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    trained = {n for n, p in t.cast.policy.named_parameters() if p.requires_grad}
+    layers = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in trained if "lora_" in n}
+    assert layers == {"c_attn", "c_proj", "c_fc"}  # model.lora_targets: all-linear
+    assert all("lora_" in n or n.startswith("value_head") for n in trained)
+    policy = tmp_path / "run" / "checkpoints" / "step-1" / "policy"
+    saved = [k for f in policy.glob("*.safetensors") for k in load_file(str(f))]
+    assert saved and all("lora_" in k for k in saved)

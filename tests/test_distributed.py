@@ -102,6 +102,24 @@ def test_two_ranks_and_one_rank_make_the_same_first_update(tmp_path, runtime):
     assert diff < 1e-5 and critic_diff < 1e-5  # ... and the same whatever the rank layout
 
 
+def test_a_lora_critic_under_ddp_makes_the_same_update_as_on_one_rank(tmp_path, monkeypatch):
+    """model.critic_lora_r (issue #26) under DDP: frozen backbone, adapters and head."""
+    import rlhflab.trainers.ppo as ppo_module
+    from tests.dist_worker import config, fixed_rollout
+
+    # two updates: the zero-initialised head passes no gradient to the adapters in the first
+    over = ("model.critic_lora_r=4", "ppo.epochs=2")
+    torchrun(2, "equiv", str(tmp_path / "two.pt"), *over, "dist.strategy=ddp")
+    monkeypatch.setattr(ppo_module, "generate_rollout", fixed_rollout)  # as the worker does
+    one = ppo_module.PPOTrainer(config(str(tmp_path / "one"), *over))
+    one.fit()
+    a, b = one.cast.critic.state_dict(), torch.load(tmp_path / "two.pt")["critic"]
+    trained = [k for k in a if "lora_B" in k or "modules_to_save" in k]
+    assert len(trained) > 2 and all(a[k].abs().max() > 1e-4 for k in trained)  # each learnt
+    worst = max(a, key=lambda k: (a[k] - b[k]).abs().max().item())
+    assert (a[worst] - b[worst]).abs().max().item() < 1e-5, worst
+
+
 def test_a_rank_whose_gloo_threads_outlive_the_group_still_exits_cleanly(tmp_path):
     # CI saw a finished 2-rank FSDP run abort at interpreter exit ("terminate called
     # without an active exception"): gloo's threads released tensors during teardown.
@@ -225,6 +243,7 @@ def test_numpy_matmul_under_fsdp(tmp_path):
             "rollout.logprobs_from_sampling: with a shared backbone under fsdp",
         ),
         (("ppo.max_grad_norm=null", "ppo.step_in_backward=true"), "ppo.step_in_backward: with"),
+        (("dist.strategy=fsdp", "model.critic_lora_r=4"), "dist.strategy: LoRA with fsdp"),
         # 6 answers per rank in 4 minibatches: 6 optimiser steps per epoch instead of 4
         (("rollout.prompts_per_iteration=12", "ppo.minibatches=4"), "ppo.minibatches: 4"),
     ],

@@ -112,6 +112,8 @@ def _fixed_length_cfg(tmp_path, *overrides):
         ["model.gradient_checkpointing=true", "model.runtime=native"],
         ["ppo.micro_batch_size=2"],  # gradients accumulate: they exist before each backward
         ["monitor.enabled=false"],
+        # a LoRA critic: a bf16 frozen backbone, fp32 adapters and head (issue #26)
+        ["model.critic_lora_r=4", "model.reference_precision=bf16"],
     ],
 )
 def test_the_estimate_is_what_a_real_iteration_holds_at_its_peak(tmp_path, overrides):

@@ -306,7 +306,9 @@ def test_lora_makes_the_default_critic_a_head_on_the_policy_backbone(nano_rm):
     trainable = {n: p.numel() for n, p in cast.policy.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n or "value_head" in n for n in trainable)
     total = sum(p.numel() for p in cast.policy.parameters())
-    assert sum(trainable.values()) < 0.1 * total
+    # r=4 adapters on every Linear layer (model.lora_targets=all-linear) of nano's 32-wide
+    # layers: about a ninth of it; a critic would be all of it again
+    assert sum(trainable.values()) < 0.15 * total
     # without LoRA the default is unchanged: the critic starts from the reward model
     assert build_cast(cast_config(**{"reward.model": str(nano_rm)})).value_layout == "from_reward"
 

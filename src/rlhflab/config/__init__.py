@@ -53,8 +53,6 @@ class Config:
     rm: RMConfig = section(RMConfig, "Reward-model training (rlhflab rm).")
 
 
-# Long (about 80 lines): one flat list of the cross-field rules, each a few lines with its
-# message, read top to bottom; split, the rules would hide from one another.
 # The short names the settings' documentation cites, spelled out (docs/ppo-details.md §0
 # has the same list with what was read of each); `rlhflab config` prints it.
 SOURCES = {
@@ -65,6 +63,8 @@ SOURCES = {
     "MOSS": "Zheng et al. 2023, Secrets of RLHF in Large Language Models Part I: PPO "
     "(arXiv 2307.04964)",
     "DSM": "Shao et al. 2024, DeepSeekMath, where GRPO was introduced (arXiv 2402.03300)",
+    "QLoRA": "Dettmers et al. 2023, QLoRA: Efficient Finetuning of Quantized LLMs "
+    "(arXiv 2305.14314)",
     "Dr. GRPO": "Liu et al. 2025, Understanding R1-Zero-Like Training (arXiv 2503.20783)",
     "DAPO": "Yu et al. 2025, DAPO: an open-source LLM RL system at scale (arXiv 2503.14476)",
     "k1, k2, k3": "Schulman 2020, Approximating KL Divergence: k1 = log π − log π_ref, "
@@ -75,17 +75,33 @@ SOURCES = {
 }
 
 
+# Long (about 100 lines): one flat list of the cross-field rules, each a few lines with its
+# message, read top to bottom; split, the rules would hide from one another.
 def validate(cfg: Config, stage: str = "ppo", reward_given: bool = False) -> Config:
     """Cross-field checks that single-field bounds cannot express (for the given stage).
     ``reward_given``: the caller brings a reward of its own (the Python API's callables),
     so a config without ``reward.model`` or ``reward.functions`` is complete."""
-    if cfg.model.runtime == "native" and (cfg.model.lora_r or cfg.model.trust_remote_code):
+    mc = cfg.model
+    lora = mc.lora_r or mc.critic_lora_r
+    if mc.runtime == "native" and (lora or mc.trust_remote_code):
         raise ConfigError(
             "model.runtime: 'native' runs rlhflab's own Llama code, which supports neither "
-            "LoRA (model.lora_r) nor model.trust_remote_code; use 'transformers'"
+            "LoRA (model.lora_r, model.critic_lora_r) nor model.trust_remote_code; use "
+            "'transformers'"
+        )
+    _check_lora_targets(mc.lora_targets)
+    if stage in ("sft", "rm") and lora:
+        raise ConfigError(
+            f"model.lora_r: rlhflab {stage} trains every weight (its folder is the whole "
+            "model the next stage starts from); LoRA applies to ppo, grpo, rloo and dpo"
         )
     if stage in ("sft", "rm", "dpo"):
         return cfg
+    if mc.critic_lora_r and mc.value_model in ("shared", "none"):
+        raise ConfigError(
+            "model.critic_lora_r: adapts a 'separate' or 'from_reward' critic; with "
+            f"model.value_model={mc.value_model!r} there is no separate critic to adapt"
+        )
     estimator = cfg.ppo.advantage_estimator
     if stage in CRITIC_FREE_ESTIMATORS and estimator != stage:
         raise ConfigError(
@@ -159,6 +175,16 @@ def validate(cfg: Config, stage: str = "ppo", reward_given: bool = False) -> Con
             f"{', '.join(repr(e) for e in LOSS_KL_ESTIMATORS)} (ppo-details §3.4)"
         )
     return cfg
+
+
+def _check_lora_targets(targets: str | list[str]) -> None:
+    if isinstance(targets, str) and targets != "all-linear":
+        raise ConfigError(
+            f"model.lora_targets: {targets!r}: a single string must be 'all-linear'; name "
+            "layers as a list, e.g. [q_proj, v_proj]"
+        )
+    if not targets:
+        raise ConfigError("model.lora_targets: empty; name at least one layer or 'all-linear'")
 
 
 def load_config(

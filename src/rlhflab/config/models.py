@@ -33,10 +33,11 @@ class ModelConfig:
         "auto",
         "Critic layout. 'shared': a value head on the policy's backbone (OAI19; least memory). "
         "'separate': its own backbone from `critic` (or a copy of the policy). 'from_reward': "
-        "initialised from the reward model, head included (N+, InstructGPT). 'auto' = "
-        "shared with LoRA (model.lora_r > 0: the adapters and the head train, no full "
-        "critic), else from_reward when a reward model is configured, else separate "
-        "(ppo-details §6.4). "
+        "initialised from the reward model, head included (N+, InstructGPT); both train "
+        "every weight, or adapters and the head with critic_lora_r. 'auto' = shared with "
+        "LoRA (model.lora_r > 0: the adapters and the head train, no full critic) unless "
+        "critic_lora_r asks for a LoRA critic, else from_reward when a reward model shares "
+        "the policy's tokenizer, else separate (ppo-details §6.4). "
         "'none': no critic (GRPO, RLOO and DPO set it).",
         choices=("auto", "shared", "separate", "from_reward", "none"),
     )
@@ -102,8 +103,30 @@ class ModelConfig:
     lora_alpha: float = setting(
         16.0, "LoRA scaling alpha (the update is scaled by alpha/r).", low=0.0, low_open=True
     )
-    lora_targets: list[str] = setting(
-        ["q_proj", "k_proj", "v_proj", "o_proj"], "Module names LoRA adapts."
+    lora_targets: str | list[str] = setting(
+        "all-linear",
+        "Layers the LoRA adapters go on (the policy's, and a LoRA critic's). 'all-linear': "
+        "every Linear layer but the output head, whatever the architecture calls them "
+        "(GPT-2's c_attn/c_proj/c_fc, GPT-NeoX's query_key_value/dense, Llama's and Qwen2's "
+        "q_proj … down_proj), so any causal LM works unnamed; QLoRA found adapters on every "
+        "linear layer needed to match full fine-tuning, attention alone falling short, and "
+        "the MLP's adapters cost about r·(hidden + intermediate) weights per matrix. Or a "
+        "list of names as peft matches them, the last parts of a layer's path ([q_proj, "
+        "v_proj], [attn.c_proj]); [q_proj, k_proj, v_proj, o_proj] was the default until "
+        "issue #26 (attention only, Llama names). A name that matches no Linear layer of the "
+        "model is refused, with the model's Linear layer names.",
+    )
+    critic_lora_r: int = setting(
+        0,
+        "LoRA rank for a 'separate' or 'from_reward' critic (0 = the critic trains every "
+        "weight). The critic then trains its adapters (model.lora_targets, model.lora_alpha) "
+        "and its whole value head, and keeps its frozen backbone in model.reference_precision "
+        "where that is bf16/fp16 (int8 stays fp32: peft cannot adapt quantised layers): no "
+        "gradients or AdamW moments for the backbone, half its bytes in 16 bits, and "
+        "checkpoints hold the adapters and head alone. A separate critic that learns "
+        "apart from the policy, at a fraction of a full critic's memory; the shared head "
+        "is still less. Not with dist.strategy=fsdp (ddp works).",
+        low=0,
     )
 
 

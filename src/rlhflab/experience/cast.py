@@ -3,7 +3,8 @@
 policy (trained) · reference (frozen initial policy, for the KL penalty) · reward (scores a
 finished answer) · critic (trained, for GAE). :func:`build_cast` applies every memory lever
 the config asks for: shared policy/value backbone, a smaller critic, low-precision or int8
-frozen models, CPU offload, and LoRA with the adapter-disabled base as the reference.
+frozen models, CPU offload, LoRA with the adapter-disabled base as the reference, and a
+critic trained through LoRA adapters on a frozen (possibly 16-bit) backbone.
 """
 
 from __future__ import annotations
@@ -160,10 +161,11 @@ def build_cast(
 
     rm_tokenizer = load_reward_tokenizer(cfg) if cfg.reward.model else None
     layout = mc.value_model
-    if layout == "auto" and mc.lora_r > 0:
+    if layout == "auto" and mc.lora_r > 0 and not mc.critic_lora_r:
         # a LoRA user trains adapters to save memory: a full critic (a copy of the model with
         # full AdamW moments) would cost more than the policy; a value head on the LoRA
-        # policy's backbone trains the head alone beside the adapters (issue #26)
+        # policy's backbone trains the head alone beside the adapters (issue #26), unless
+        # model.critic_lora_r asks for a critic of its own, trained through adapters too
         layout = "shared"
     elif layout == "auto":
         layout = (
@@ -197,9 +199,20 @@ def build_cast(
                 "tokenizer; the critic reads the policy's token ids"
             )
         critic = load_model(spec, tokenizer, mc, "critic", field=field)
+    if critic is not None and mc.critic_lora_r > 0:
+        # adapters and the whole head train; the backbone freezes in the reference's
+        # precision where that is 16-bit (models.lora.lora_critic)
+        critic = M.lora_critic(
+            critic,
+            mc.critic_lora_r,
+            mc.lora_alpha,
+            mc.lora_targets,
+            mc.reference_precision,
+            seed=cfg.seed + 1,  # not the policy's draws
+        )
 
     if mc.lora_r > 0:
-        lm = M.apply_lora(lm, mc.lora_r, mc.lora_alpha, mc.lora_targets)
+        lm = M.apply_lora(lm, mc.lora_r, mc.lora_alpha, mc.lora_targets, seed=cfg.seed)
     reference = M.make_reference(lm, mc.reference_precision, mc.offload_frozen, device)
 
     if rm is not None:
@@ -213,8 +226,9 @@ def build_cast(
     sources = _reward_sources(cfg, tokenizer, device, rm, rm_tokenizer) + list(extra_rewards)
     reward = CompositeReward(sources)
     log.info(
-        "cast built: value layout %s, reference %s%s, device %s",
+        "cast built: value layout %s%s, reference %s%s, device %s",
         layout,
+        f" (LoRA r={mc.critic_lora_r})" if critic is not None and mc.critic_lora_r else "",
         mc.reference_precision,
         " (offloaded)" if mc.offload_frozen else "",
         device,

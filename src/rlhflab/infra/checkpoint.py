@@ -2,8 +2,9 @@
 
 ``checkpoints/step-N/`` holds ``policy/`` (an HF folder in safetensors with the tokenizer;
 a LoRA policy saves its adapter there), ``value_head.safetensors`` (shared backbone) or
-``critic/`` (an HF sequence-classification folder), ``optimizer.pt`` (the optimisers'
-states, the largest part: two moments per trained weight) and ``state.pt`` (schedulers, KL
+``critic/`` (an HF sequence-classification folder; a LoRA critic, ``model.critic_lora_r``,
+saves its adapters and value head there, not its frozen backbone), ``optimizer.pt`` (the
+optimisers' states, the largest part: two moments per trained weight) and ``state.pt`` (schedulers, KL
 controller, RNG states, data position, step): plain tensors and numbers only, loaded with
 ``weights_only=True`` so nothing arbitrary is ever unpickled. The optimisers sit in their
 own file so that a sharded (FSDP) resume reads them on rank 0 alone and the other ranks

@@ -29,7 +29,6 @@ from rlhflab.models.heads import (
 )
 from rlhflab.models.loading import (
     RUNTIMES,
-    apply_lora,
     enable_gradient_checkpointing,
     is_checkpointing,
     load_causal_lm,
@@ -40,6 +39,13 @@ from rlhflab.models.loading import (
     release_freed_memory,
     resolve_path,
     same_tokenizer,
+)
+from rlhflab.models.lora import (
+    ALL_LINEAR,
+    apply_lora,
+    check_targets,
+    linear_layers,
+    lora_critic,
 )
 from rlhflab.models.prepare import (
     ModelLoadError,
@@ -54,6 +60,7 @@ from rlhflab.models.prepare import (
 )
 
 __all__ = [
+    "ALL_LINEAR",
     "RUNTIMES",
     "PRECISION_DTYPES",
     "CriticValues",
@@ -64,6 +71,7 @@ __all__ = [
     "apply_lora",
     "backbone_hidden",
     "causal_forward",
+    "check_targets",
     "check_weight_files",
     "critic_from_causal_lm",
     "critic_from_reward_model",
@@ -76,10 +84,12 @@ __all__ = [
     "is_checkpointing",
     "last_real_index",
     "last_token_hidden",
+    "linear_layers",
     "load_causal_lm",
     "load_lora_adapter",
     "load_sequence_classifier",
     "load_tokenizer",
+    "lora_critic",
     "make_reference",
     "module_bytes",
     "position_ids_from_mask",

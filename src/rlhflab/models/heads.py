@@ -59,7 +59,10 @@ def token_values(critic, input_ids, attention_mask, keep_last: int = 0) -> torch
     """Per-token values (B, L) from a sequence-classification critic's ``score`` head; of the
     last ``keep_last`` positions only, (B, keep_last), when > 0 (see :func:`backbone_hidden`)."""
     hidden = backbone_hidden(critic, input_ids, attention_mask, keep_last)
-    return critic.score(hidden).squeeze(-1).float()
+    head = critic.score
+    # a LoRA critic's frozen backbone may run in 16 bits while its trained head is fp32
+    # (models.lora.lora_critic); a no-op where the dtypes agree
+    return head(hidden.to(head.weight.dtype)).squeeze(-1).float()
 
 
 def critic_from_causal_lm(path, tokenizer, trust_remote_code=False, runtime="transformers"):

@@ -1,5 +1,5 @@
 """Loading models and tokenizers from local folders, through transformers or rlhflab's
-native runtime; LoRA, activation checkpointing and byte counts.
+native runtime; activation checkpointing and byte counts (LoRA: :mod:`rlhflab.models.lora`).
 
 Each loader applies what every model needs before it is used (:mod:`rlhflab.models.prepare`):
 the folder's files checked, dropout off, fp32 weights for the models that train.
@@ -274,21 +274,6 @@ def is_checkpointing(model: nn.Module) -> bool:
     """Whether activation (gradient) checkpointing is on, under either transformers name."""
     flag = getattr(type(model), "is_activation_checkpointing", None)
     return bool(model.is_activation_checkpointing if flag else model.is_gradient_checkpointing)
-
-
-def apply_lora(lm: nn.Module, r: int, alpha: float, targets: list[str]):
-    try:
-        from peft import LoraConfig, get_peft_model
-    except ImportError:
-        raise ModelLoadError("model.lora_r > 0 needs peft: pip install 'rlhflab[lora]'") from None
-    cfg = LoraConfig(
-        r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets, task_type="CAUSAL_LM"
-    )
-    with warnings.catch_warnings():
-        # peft asks the model `is_gradient_checkpointing`, which transformers 5 deprecates
-        # in favour of `is_activation_checkpointing`: a notice for peft, not for our users
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*deprecated")
-        return get_peft_model(lm, cfg)
 
 
 def load_lora_adapter(lm: nn.Module, folder: str | Path) -> nn.Module:

@@ -70,7 +70,7 @@ class DPOTrainer:
         pairs = load_preferences(d.data, self.tokenizer, cfg.data.split) if d.data else None
         lm = load_model(mc.policy, self.tokenizer, mc)
         if mc.lora_r:
-            lm = M.apply_lora(lm, mc.lora_r, mc.lora_alpha, mc.lora_targets)
+            lm = M.apply_lora(lm, mc.lora_r, mc.lora_alpha, mc.lora_targets, seed=cfg.seed)
         self.reference = M.make_reference(
             lm, mc.reference_precision, mc.offload_frozen, self.device
         )

@@ -137,7 +137,7 @@ class PPOTrainer:
                 "head's weights are sharded outside the sampling pass; use ddp, a separate "
                 "critic, or turn it off"
             )
-        if self.fsdp and cfg.model.lora_r:
+        if self.fsdp and (cfg.model.lora_r or cfg.model.critic_lora_r):
             raise ConfigError("dist.strategy: LoRA with fsdp is not supported; use ddp")
         policy = wrap_trained(cast.policy, ctx, strategy, cfg.dist.mixed_precision)
         critic = None

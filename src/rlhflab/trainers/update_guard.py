@@ -47,9 +47,8 @@ class GuardedUpdate:
         self.sched = build_scheduler(self.opt, p.warmup_steps, total_steps, p.lr_schedule)
         self.critic_opt = self.critic_sched = None
         if cast.critic is not None:
-            self.critic_opt = build_optimizer(
-                [{"params": list(cast.critic.parameters()), "lr": p.critic_lr}], p
-            )
+            critic = [q for q in cast.critic.parameters() if q.requires_grad]  # LoRA: a few
+            self.critic_opt = build_optimizer([{"params": critic, "lr": p.critic_lr}], p)
             self.critic_sched = build_scheduler(
                 self.critic_opt, p.warmup_steps, total_steps, p.lr_schedule
             )
