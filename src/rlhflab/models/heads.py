@@ -11,6 +11,7 @@ from torch import nn
 
 from rlhflab.models.forward import backbone_hidden
 from rlhflab.models.loading import load_sequence_classifier
+from rlhflab.models.precision import fp32_head
 
 
 class PolicyWithValueHead(nn.Module):
@@ -38,7 +39,7 @@ class PolicyWithValueHead(nn.Module):
         > 0, else for all L."""
         hidden = backbone_hidden(self.lm, input_ids, attention_mask, keep_last)
         logits = self.lm.get_output_embeddings()(hidden)
-        values = self.value_head(hidden).squeeze(-1).clone()  # not a view (FSDP2 hooks)
+        values = fp32_head(self.value_head, hidden).squeeze(-1).clone()  # not a view (FSDP2)
         return logits, values
 
 
@@ -59,7 +60,7 @@ def token_values(critic, input_ids, attention_mask, keep_last: int = 0) -> torch
     """Per-token values (B, L) from a sequence-classification critic's ``score`` head; of the
     last ``keep_last`` positions only, (B, keep_last), when > 0 (see :func:`backbone_hidden`)."""
     hidden = backbone_hidden(critic, input_ids, attention_mask, keep_last)
-    return critic.score(hidden).squeeze(-1).float()
+    return fp32_head(critic.score, hidden).squeeze(-1).float()
 
 
 def critic_from_causal_lm(path, tokenizer, trust_remote_code=False, runtime="transformers"):
