@@ -17,8 +17,10 @@ forward does exactly transformers' operations in the same order (bit-identical o
 with or without grad the same values, so the first PPO ratio stays exactly 1); gradients
 agree up to float rounding. In float64 (tests only) the norm is computed in float64 where
 transformers rounds through float32. Without grad (sampling, scoring, frozen models) the
-original expressions run unchanged. The functions are not autocast-aware: rlhflab casts
-models (and FSDP2 casts parameters) instead of running under ``torch.autocast``. The same idea is behind fused-kernel libraries such as Liger
+original expressions run unchanged. Under ``torch.autocast`` (``model.compute_dtype``) the
+products run in the autocast dtype, forward and backward, as autograd's would, and the
+weights' gradients come back in the weights' (fp32) dtype. The same idea is behind
+fused-kernel libraries such as Liger
 (arXiv:2410.10989), done here in plain PyTorch so it runs on every device.
 """
 
@@ -118,13 +120,20 @@ class _SwiGLUDownFn(torch.autograd.Function):
     def backward(ctx, grad):
         gate, up, weight = ctx.saved_tensors
         mm = cpu_blas.numpy_mm if ctx.numpy_blas else torch.mm
+        # under torch.autocast (model.compute_dtype) the forward's product ran in the
+        # autocast dtype, which is the output's and so grad's: backward's products do too,
+        # as autograd's would, and the weight's gradients come back in the weight's dtype
+        w = weight if weight.dtype == grad.dtype else weight.to(grad.dtype)
         flat_grad = grad.reshape(-1, grad.shape[-1])
-        grad_p = mm(flat_grad, weight).view(*grad.shape[:-1], weight.shape[1])
+        grad_p = mm(flat_grad, w).view(*grad.shape[:-1], weight.shape[1])
         need_w = ctx.needs_input_grad[2]
         grad_gate, grad_up, p = _swiglu_backward(grad_p, gate, up, want_p=need_w)
         del grad_p
-        grad_w = mm(flat_grad.t(), p.reshape(-1, p.shape[-1])) if need_w else None
-        grad_b = flat_grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
+        grad_w = grad_b = None
+        if need_w:
+            grad_w = mm(flat_grad.t(), p.reshape(-1, p.shape[-1])).to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[3]:
+            grad_b = flat_grad.sum(0).to(weight.dtype)
         return grad_gate, grad_up, grad_w, grad_b, None
 
 

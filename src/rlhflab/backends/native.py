@@ -225,9 +225,17 @@ def recomputed_in_backward(fn, *args):
     recomputation's own graph keeps nothing (its pack hook returns None; one that returned
     the tensor ties an output to its own grad_fn in a cycle Python cannot collect: a 25M
     GRPO worker's peak went 1067 → 2028 MiB that way), and each recomputed tensor is kept
-    detached and dropped once backward has used it."""
+    detached and dropped once backward has used it. The recomputation runs under the
+    forward's ``torch.autocast`` state (``model.compute_dtype``), which backward does not
+    keep by itself: else it would save fp32 tensors where the forward saved bf16 ones."""
     count = [0]
     recomputed: dict[int, torch.Tensor] = {}
+    device_type = args[0].device.type
+    autocast = torch.autocast(
+        device_type,
+        dtype=torch.get_autocast_dtype(device_type),
+        enabled=torch.is_autocast_enabled(device_type),
+    )
 
     def pack(_tensor) -> int:  # the forward keeps each saved tensor's position only
         count[0] += 1
@@ -243,7 +251,8 @@ def recomputed_in_backward(fn, *args):
                 a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
                 for a in args
             ]
-            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(keep, _unused):
+            hooks = torch.autograd.graph.saved_tensors_hooks(keep, _unused)
+            with torch.enable_grad(), autocast, hooks:
                 fn(*inputs)
             if len(recomputed) != count[0]:
                 raise RuntimeError(

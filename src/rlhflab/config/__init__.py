@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from rlhflab.config import base as configbase
 from rlhflab.config.base import ConfigError, section, setting
-from rlhflab.config.models import PRECISIONS, ModelConfig, RewardConfig
+from rlhflab.config.models import FP16_COMPUTE_REFUSED, PRECISIONS, ModelConfig, RewardConfig
 from rlhflab.config.run import DataConfig, DistConfig, LogConfig, MonitorConfig
 from rlhflab.config.stages import (
     STAGE_DEFAULTS,
@@ -95,6 +95,7 @@ def validate(cfg: Config, stage: str = "ppo", reward_given: bool = False) -> Con
             f"model.lora_r: rlhflab {stage} trains every weight (its folder is the whole "
             "model the next stage starts from); LoRA applies to ppo, grpo, rloo and dpo"
         )
+    _check_compute_dtype(cfg)
     if stage in ("sft", "rm", "dpo"):
         return cfg
     if mc.critic_lora_r and mc.value_model in ("shared", "none"):
@@ -185,6 +186,25 @@ def _check_lora_targets(targets: str | list[str]) -> None:
         )
     if not targets:
         raise ConfigError("model.lora_targets: empty; name at least one layer or 'all-linear'")
+
+
+def _check_compute_dtype(cfg: Config) -> None:
+    """model.compute_dtype against the settings it cannot go with (the device-dependent
+    checks are models.precision's, once the device is known)."""
+    mc = cfg.model
+    if mc.compute_dtype == "fp16":
+        raise ConfigError(FP16_COMPUTE_REFUSED)
+    if mc.compute_dtype != "fp32" and mc.cpu_matmul == "numpy":
+        raise ConfigError(
+            f"model.cpu_matmul: 'numpy' multiplies fp32 matrices, and model.compute_dtype="
+            f"{mc.compute_dtype} runs the products in {mc.compute_dtype}; use 'torch'"
+        )
+    if mc.compute_dtype != "fp32" and cfg.dist.mixed_precision != "none":
+        raise ConfigError(
+            "dist.mixed_precision: model.compute_dtype already sets the arithmetic of the "
+            "trained models (autocast over fp32 weights, on every device and strategy); "
+            "set dist.mixed_precision to 'none', or model.compute_dtype to 'fp32'"
+        )
 
 
 def load_config(

@@ -7,6 +7,11 @@ from dataclasses import dataclass
 from rlhflab.config.base import setting
 
 PRECISIONS = ("fp32", "bf16", "fp16", "int8")
+# why model.compute_dtype=fp16 is refused (config validation and models.precision say it)
+FP16_COMPUTE_REFUSED = (
+    "model.compute_dtype: fp16 needs loss scaling (torch.amp.GradScaler), which rlhflab "
+    "does not run: small gradients underflow to 0 without it; use bf16"
+)
 
 
 @dataclass
@@ -50,6 +55,24 @@ class ModelConfig:
         0.1,
         "Weight of the value loss in the combined loss of a shared backbone (OAI19, N+: 0.1).",
         low=0.0,
+    )
+    compute_dtype: str = setting(
+        "fp32",
+        "Arithmetic of the trained models' forward and backward passes (policy, critic, value "
+        "head; the SFT, RM and DPO model), in sampling, scoring and training: 'bf16' runs "
+        "them under torch.autocast (matrix products in bf16; norms, logits' log-softmax, "
+        "value and reward heads, ratios, KL, advantages and losses in fp32), as does the "
+        "reference when reference_precision is fp32 (so π and π_ref are computed alike "
+        "and the KL starts at 0); weights, gradients and AdamW moments stay fp32. bf16 is "
+        "faster where the hardware multiplies it natively (GPUs from Ampere on, CPUs with "
+        "AMX); on a CPU without it, slower (2-3x per PPO iteration on this project's Xeon "
+        "VM: docs/real-models.md, 'Precision'). fp32 stays the default: it keeps runs "
+        "bit-exact, and no GPU measurement here says otherwise. 'fp16' is refused: "
+        "without loss scaling (torch.amp.GradScaler, which would have to fit "
+        "ppo.step_in_backward, the per-model clip and the skip of non-finite updates) "
+        "small gradients underflow to 0. Not with cpu_matmul=numpy (numpy multiplies "
+        "fp32 only) nor dist.mixed_precision (fsdp's own parameter casting).",
+        choices=("fp32", "bf16", "fp16"),
     )
     reference_precision: str = setting(
         "fp32",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import sys
 from dataclasses import dataclass
@@ -203,7 +204,7 @@ def iteration_memory(cast, cfg) -> list[PhaseMemory]:
 
     The measured forwards run on random token ids of those shapes; nothing is updated.
     """
-    r, p = cfg.rollout, cfg.ppo
+    r, p, ac = cfg.rollout, cfg.ppo, cast.autocast
     lm_cfg, itemsize = _lm_config(cast.policy), _itemsize(cast.policy)
     P, T, n = r.max_prompt_tokens, r.max_new_tokens, r.prompts_per_iteration
     kv_heads = getattr(lm_cfg, "num_key_value_heads", None) or lm_cfg.num_attention_heads
@@ -218,10 +219,13 @@ def iteration_memory(cast, cfg) -> list[PhaseMemory]:
         return seqs.to(cast.device), torch.ones_like(seqs, device=cast.device)
 
     seqs, mask = ids(min(r.score_micro_batch, n))
-    with torch.no_grad():
+    with torch.no_grad():  # each model in its model.compute_dtype, as the run computes
         _, _, policy_peak = held_by(
-            lambda: policy_outputs(cast.policy, seqs, mask, P, seqs[:, P:], r.temperature, True)
+            lambda: policy_outputs(
+                cast.policy, seqs, mask, P, seqs[:, P:], r.temperature, True, autocast=ac
+            )
         )
+    with torch.no_grad(), cast.reference_autocast():
         _, _, ref_peak = held_by(
             lambda: A.logprobs_from_logits(
                 causal_forward(cast.reference, seqs, mask, keep_last=T + 1).logits[:, :T],
@@ -243,6 +247,7 @@ def iteration_memory(cast, cfg) -> list[PhaseMemory]:
             lambda: (answer_values(cast.critic_values, train_seqs, train_mask, T),),
             cast.critic,
             accumulating,
+            ac,
         )
     # ppo.values_from_training_forward: step 2 runs the critic's first training forward on
     # the whole rollout and its graph stays until the first update, which backpropagates it
@@ -287,6 +292,7 @@ def iteration_memory(cast, cfg) -> list[PhaseMemory]:
             r.temperature,
             with_entropy=p.entropy_coef > 0,
             shared=cast.shared,
+            autocast=ac,
         ),
         cast.policy,
         accumulating,
@@ -309,20 +315,23 @@ def iteration_memory(cast, cfg) -> list[PhaseMemory]:
     return rows
 
 
-def forward_backward_bytes(forward, model, gradients_exist: bool) -> tuple[int, int]:
+def forward_backward_bytes(
+    forward, model, gradients_exist: bool, autocast=contextlib.nullcontext
+) -> tuple[int, int]:
     """Bytes that ``forward()`` keeps for backward, and the most that its forward and the
     backward of the sum of its outputs hold at once: activations, their gradients,
     recomputed checkpoint segments and the model's own gradients as backward makes them —
     or, with ``gradients_exist`` (micro-batches accumulating), only each fresh gradient
     before it is added into one made beforehand, which :func:`estimated_peak` counts. The
-    model is left with no gradients."""
+    forward runs in ``autocast()``'s context. The model is left with no gradients."""
     params = [q for q in model.parameters() if q.requires_grad]
     for q in params:
         q.grad = torch.zeros_like(q) if gradients_exist else None
     tracker = _NewStorages()
     try:
         with torch.enable_grad(), tracker:
-            outs = [o for o in forward() if o is not None and o.requires_grad]
+            with autocast():
+                outs = [o for o in forward() if o is not None and o.requires_grad]
             kept = tracker.held()
             sum(o.float().sum() for o in outs).backward()
             del outs

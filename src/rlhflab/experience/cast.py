@@ -39,10 +39,22 @@ class ModelCast:
     reward: CompositeReward
     device: torch.device
     value_layout: str  # shared | separate | from_reward | none
+    compute_dtype: str = "fp32"  # model.compute_dtype
+    reference_precision: str = "fp32"  # model.reference_precision
 
     def __post_init__(self):
         # the critic's values come through a forward() so DDP/FSDP can wrap the call
         self.critic_values = M.CriticValues(self.critic) if self.critic is not None else None
+
+    def autocast(self):
+        """The context of the trained models' forwards (model.compute_dtype)."""
+        return M.compute_autocast(self.device, self.compute_dtype)
+
+    def reference_autocast(self):
+        """The reference's (models.frozen_compute_dtype): the trained models' when its
+        weights are fp32, none when they are bf16, fp16 or int8."""
+        dtype = M.frozen_compute_dtype(self.compute_dtype, self.reference_precision)
+        return M.compute_autocast(self.device, dtype)
 
     @property
     def policy_lm(self) -> nn.Module:
@@ -233,4 +245,14 @@ def build_cast(
         " (offloaded)" if mc.offload_frozen else "",
         device,
     )
-    return ModelCast(tokenizer, policy, critic, reference, reward, device, layout)
+    return ModelCast(
+        tokenizer,
+        policy,
+        critic,
+        reference,
+        reward,
+        device,
+        layout,
+        mc.compute_dtype,
+        mc.reference_precision,
+    )

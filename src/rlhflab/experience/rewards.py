@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from rlhflab.models import Offloaded, last_token_hidden, same_tokenizer
+from rlhflab.models import Offloaded, fp32_head, last_token_hidden, same_tokenizer
 
 
 class RewardError(RuntimeError):
@@ -79,7 +79,7 @@ def encode_for_reward(
 def reward_scores(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(B, K) head scores at each row's last real token: the reward model's pooling, the
     same in training and in scoring."""
-    return model.score(last_token_hidden(model, ids, mask)).float()
+    return fp32_head(model.score, last_token_hidden(model, ids, mask)).float()
 
 
 class RewardSource(Protocol):

@@ -9,6 +9,7 @@ logits at columns P−1 … P+T−2 predict the answer tokens.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -72,26 +73,29 @@ def generate_rollout(
     all_done=None,
     ignore_eos: bool = False,
     scores: SamplingScores | None = None,
+    autocast=contextlib.nullcontext,
 ) -> Rollout:
     """Sample one answer per prompt; with ``scores``, the rollout also carries the sampling
-    pass's old log-probs and entropy (and values), and scoring skips the policy forward."""
+    pass's old log-probs and entropy (and values), and scoring skips the policy forward.
+    ``autocast``: the context sampling runs in (``ModelCast.autocast`` for the policy)."""
     encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
     prompt_ids, prompt_mask = left_pad(encoded, tokenizer.pad_token_id)
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
-    resp, resp_mask, ended = sample(
-        model,
-        prompt_ids,
-        prompt_mask,
-        max_new_tokens,
-        None if ignore_eos else tokenizer.eos_token_id,
-        tokenizer.pad_token_id,
-        temperature,
-        top_k,
-        top_p,
-        generator,
-        all_done,
-        scores,
-    )
+    with autocast():
+        resp, resp_mask, ended = sample(
+            model,
+            prompt_ids,
+            prompt_mask,
+            max_new_tokens,
+            None if ignore_eos else tokenizer.eos_token_id,
+            tokenizer.pad_token_id,
+            temperature,
+            top_k,
+            top_p,
+            generator,
+            all_done,
+            scores,
+        )
     texts = tokenizer.batch_decode(resp, skip_special_tokens=True)
     rollout = Rollout(prompt_ids, prompt_mask, resp, resp_mask, ended, list(prompts), texts)
     if scores is not None:
@@ -121,21 +125,26 @@ def policy_outputs(
     with_entropy=False,
     shared: bool | None = None,
     entropy_grad: bool = True,
+    autocast=contextlib.nullcontext,
 ):
     """Log-probs (B, T), values (B, T) or None, entropy (B, T) or None from one forward.
 
     ``shared`` says the policy returns (logits, values); by default it is read off the
     module, which a DDP wrapper hides. ``entropy_grad=False`` computes the entropy from
-    detached logits (a metric only: no graph kept for it)."""
+    detached logits (a metric only: no graph kept for it). ``autocast``: the context the
+    forward alone runs in (``ModelCast.autocast``); log-probs and entropy are computed after
+    it, in fp32."""
     T = response_ids.shape[1]
     keep = T + 1  # logits of positions P-1 .. P+T-1; the last one predicts past the answer
     if shared is None:
         shared = isinstance(policy, M.PolicyWithValueHead)
-    if shared:
-        logits, values = policy(seqs, mask, keep_last=keep)
+    with autocast():
+        if shared:
+            logits, values = policy(seqs, mask, keep_last=keep)
+        else:
+            logits, values = M.causal_forward(policy, seqs, mask, keep_last=keep).logits, None
+    if values is not None:
         values = values[:, :T].float()  # the last T + 1 positions' first T: response_slice
-    else:
-        logits, values = M.causal_forward(policy, seqs, mask, keep_last=keep).logits, None
     logits = logits[:, :T]
     logprobs = A.logprobs_from_logits(logits, response_ids, temperature)
     entropy = None
@@ -156,7 +165,10 @@ def score_rollout(
     """Fill old/ref log-probs, values, entropy and scores, micro-batched, without gradients.
 
     One forward of the policy (logits and, with a shared backbone, values), one of the
-    reference, one of the critic (if separate), one of the reward model.
+    reference, one of the critic (if separate), one of the reward model. The policy and
+    critic run under ``cast.autocast()`` (model.compute_dtype), as in training, so the old
+    log-probs and values come from the arithmetic of the new ones; the reference under
+    ``cast.reference_autocast()``; the reward model in its own precision.
     ``policy_forward=False`` leaves old_logprobs and entropy (and a shared backbone's values)
     as they are: the sampling pass filled them (``rollout.logprobs_from_sampling``) or the
     training forward will (``ppo.reuse_training_forward``). ``critic_forward=False`` leaves
@@ -166,17 +178,19 @@ def score_rollout(
         raise ValueError("score_rollout: a shared backbone's values need the policy forward")
     seqs, mask = rollout.sequences, rollout.attention_mask
     if policy_forward:
-        score_policy(cast.policy, rollout, temperature, micro_batch)
+        score_policy(cast, rollout, temperature, micro_batch)
     critic = cast.critic_values if critic_forward else None
     parts: dict[str, list] = {"ref": [], "val": []}
     for s in range(0, len(rollout), micro_batch):
         ids, am = seqs[s : s + micro_batch], mask[s : s + micro_batch]
         resp = rollout.response_ids[s : s + micro_batch]
         T = resp.shape[1]
-        ref_logits = M.causal_forward(cast.reference, ids, am, keep_last=T + 1).logits
+        with cast.reference_autocast():
+            ref_logits = M.causal_forward(cast.reference, ids, am, keep_last=T + 1).logits
         parts["ref"].append(A.logprobs_from_logits(ref_logits[:, :T], resp, temperature))
         if critic is not None:
-            parts["val"].append(answer_values(critic, ids, am, T))
+            with cast.autocast():
+                parts["val"].append(answer_values(critic, ids, am, T))
     device = rollout.response_ids.device
     rollout.ref_logprobs = torch.cat(parts["ref"]).to(device)
     if critic is not None:
@@ -188,16 +202,19 @@ def score_rollout(
 
 
 @torch.no_grad()
-def score_policy(policy, rollout: Rollout, temperature: float, micro_batch: int) -> Rollout:
+def score_policy(cast, rollout: Rollout, temperature: float, micro_batch: int) -> Rollout:
     """The policy's part of scoring: old log-probs, full-distribution entropy and, with a
-    shared backbone, the values, micro-batched, without gradients."""
+    shared backbone, the values, micro-batched, without gradients, under
+    ``cast.autocast()`` as the training forward runs."""
     seqs, mask = rollout.sequences, rollout.attention_mask
     P = rollout.prompt_ids.shape[1]
     parts: dict[str, list] = {"old": [], "val": [], "ent": []}
     for s in range(0, len(rollout), micro_batch):
         ids, am = seqs[s : s + micro_batch], mask[s : s + micro_batch]
         resp = rollout.response_ids[s : s + micro_batch]
-        lp, values, ent = policy_outputs(policy, ids, am, P, resp, temperature, True)
+        lp, values, ent = policy_outputs(
+            cast.policy, ids, am, P, resp, temperature, True, autocast=cast.autocast
+        )
         parts["old"].append(lp)
         parts["val"].append(values)
         parts["ent"].append(ent)

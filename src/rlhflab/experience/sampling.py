@@ -64,7 +64,7 @@ class SamplingScores:
         self.logprobs.append(A.logprobs_from_logits(z, tokens.unsqueeze(1)).squeeze(1))
         self.entropy.append(A.entropy_from_logits(z).squeeze(1))
         if self.value_head is not None:
-            self.values.append(self.value_head(self._hidden).squeeze(-1).float())
+            self.values.append(M.fp32_head(self.value_head, self._hidden).squeeze(-1).float())
 
     def fill(self, rollout: Rollout) -> None:
         """Write old_logprobs, entropy (and values) of the T sampled steps into the rollout."""

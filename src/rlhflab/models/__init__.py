@@ -47,6 +47,13 @@ from rlhflab.models.lora import (
     linear_layers,
     lora_critic,
 )
+from rlhflab.models.precision import (
+    COMPUTE_DTYPES,
+    autocast_dtype,
+    compute_autocast,
+    fp32_head,
+    frozen_compute_dtype,
+)
 from rlhflab.models.prepare import (
     ModelLoadError,
     check_weight_files,
@@ -62,6 +69,7 @@ from rlhflab.models.prepare import (
 __all__ = [
     "ALL_LINEAR",
     "RUNTIMES",
+    "COMPUTE_DTYPES",
     "PRECISION_DTYPES",
     "CriticValues",
     "LoraReference",
@@ -69,15 +77,19 @@ __all__ = [
     "Offloaded",
     "PolicyWithValueHead",
     "apply_lora",
+    "autocast_dtype",
     "backbone_hidden",
     "causal_forward",
     "check_targets",
     "check_weight_files",
+    "compute_autocast",
     "critic_from_causal_lm",
     "critic_from_reward_model",
     "disable_dropout",
     "enable_gradient_checkpointing",
     "first_line",
+    "fp32_head",
+    "frozen_compute_dtype",
     "freeze",
     "hf_config",
     "hf_load",

@@ -22,6 +22,7 @@ from rlhflab.models.loading import (
     load_tokenizer,
     resolve_path,
 )
+from rlhflab.models.precision import autocast_dtype
 from rlhflab.models.prepare import require_fp32_trainable
 
 KINDS = ("causal", "classifier", "critic")
@@ -95,7 +96,9 @@ def prepare_trained(model: nn.Module, options: ModelConfig) -> nn.Module:
 def finish_models(options: ModelConfig, device, trained=(), frozen=()) -> None:
     """The options that apply once every model exists: the CPU matmul library (after
     quantisation and offloading, so only plain float Linear layers change) and activation
-    checkpointing (trained models). Trained models are checked to hold fp32 weights."""
+    checkpointing (trained models). Trained models are checked to hold fp32 weights; a
+    model.compute_dtype this device cannot run is refused here, before any training."""
+    autocast_dtype(device, options.compute_dtype)
     trained = [m for m in trained if m is not None]
     apply_cpu_matmul(options.cpu_matmul, device, [*trained, *frozen])
     for model in trained:

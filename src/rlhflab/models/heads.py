@@ -11,6 +11,7 @@ from torch import nn
 
 from rlhflab.models.forward import backbone_hidden
 from rlhflab.models.loading import load_sequence_classifier
+from rlhflab.models.precision import fp32_head
 
 
 class PolicyWithValueHead(nn.Module):
@@ -38,7 +39,7 @@ class PolicyWithValueHead(nn.Module):
         > 0, else for all L."""
         hidden = backbone_hidden(self.lm, input_ids, attention_mask, keep_last)
         logits = self.lm.get_output_embeddings()(hidden)
-        values = self.value_head(hidden).squeeze(-1).clone()  # not a view (FSDP2 hooks)
+        values = fp32_head(self.value_head, hidden).squeeze(-1).clone()  # not a view (FSDP2)
         return logits, values
 
 
@@ -62,7 +63,7 @@ def token_values(critic, input_ids, attention_mask, keep_last: int = 0) -> torch
     head = critic.score
     # a LoRA critic's frozen backbone may run in 16 bits while its trained head is fp32
     # (models.lora.lora_critic); a no-op where the dtypes agree
-    return head(hidden.to(head.weight.dtype)).squeeze(-1).float()
+    return fp32_head(head, hidden.to(head.weight.dtype)).squeeze(-1).float()
 
 
 def critic_from_causal_lm(path, tokenizer, trust_remote_code=False, runtime="transformers"):

@@ -10,6 +10,8 @@ the run log are :class:`rlhflab.trainers.loop.RunLoop`'s, as for PPO.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import random
 from pathlib import Path
@@ -46,13 +48,17 @@ log = logging.getLogger(__name__)
 DPO_BASE = STAGE_DEFAULTS["dpo"]
 
 
-def answer_logprobs(model, tokenizer, prompts, answers, device, micro_batch=64):
-    """Σ log π(answer + EOS | prompt) per pair: (N,)."""
+def answer_logprobs(
+    model, tokenizer, prompts, answers, device, micro_batch=64, autocast=contextlib.nullcontext
+):
+    """Σ log π(answer + EOS | prompt) per pair: (N,), in fp32; the forwards run in the
+    context ``autocast()`` returns (model.compute_dtype's)."""
     out = []
     for s in range(0, len(prompts), micro_batch):
         pairs = list(zip(prompts[s : s + micro_batch], answers[s : s + micro_batch]))
         ids, attn, loss_mask = (t.to(device) for t in encode_pairs(tokenizer, pairs))
-        logits = M.causal_forward(model, ids, attn).logits[:, :-1]
+        with autocast():
+            logits = M.causal_forward(model, ids, attn).logits[:, :-1]
         logp = A.logprobs_from_logits(logits, ids[:, 1:])
         out.append(torch.where(loss_mask[:, 1:].bool(), logp, 0.0).sum(1))
     return torch.cat(out)
@@ -81,13 +87,14 @@ class DPOTrainer:
         self.prompts = [p.prompt for p in pairs]
         self.chosen = [p.chosen for p in pairs]
         self.rejected = [p.rejected for p in pairs]
+        # the policy computes in model.compute_dtype; an fp32 reference computes alike, so
+        # that the implicit rewards of the unchanged policy are 0
+        self.autocast = functools.partial(M.compute_autocast, self.device, mc.compute_dtype)
+        ref_dtype = M.frozen_compute_dtype(mc.compute_dtype, mc.reference_precision)
+        self.ref_autocast = functools.partial(M.compute_autocast, self.device, ref_dtype)
         with torch.no_grad():  # the reference never changes: its log-probs are computed once
-            self.ref_chosen = answer_logprobs(
-                self.reference, self.tokenizer, self.prompts, self.chosen, self.device
-            )
-            self.ref_rejected = answer_logprobs(
-                self.reference, self.tokenizer, self.prompts, self.rejected, self.device
-            )
+            self.ref_chosen = self._answer_logprobs(self.reference, self.prompts, self.chosen)
+            self.ref_rejected = self._answer_logprobs(self.reference, self.prompts, self.rejected)
         params = [q for q in self.policy.parameters() if q.requires_grad]
         self.opt = build_optimizer_simple(params, d.lr)
         self.sched = build_scheduler(self.opt, d.warmup_steps, d.steps, "constant")
@@ -107,12 +114,8 @@ class DPOTrainer:
         idx = torch.randint(len(self.prompts), (d.batch_size,), generator=self.gens["batch"])
         pick = idx.tolist()
         prompts = [self.prompts[i] for i in pick]
-        pc = answer_logprobs(
-            self.policy, self.tokenizer, prompts, [self.chosen[i] for i in pick], self.device
-        )
-        pr = answer_logprobs(
-            self.policy, self.tokenizer, prompts, [self.rejected[i] for i in pick], self.device
-        )
+        pc = self._answer_logprobs(self.policy, prompts, [self.chosen[i] for i in pick])
+        pr = self._answer_logprobs(self.policy, prompts, [self.rejected[i] for i in pick])
         losses, rc, rr = L.dpo_loss(
             pc,
             pr,
@@ -133,6 +136,13 @@ class DPOTrainer:
             "rewards/accuracy": (rc > rr).float().mean().item(),
             "lr/policy": self.opt.param_groups[0]["lr"],
         }
+
+    def _answer_logprobs(self, model, prompts, answers) -> torch.Tensor:
+        """answer_logprobs of the policy or the reference, each in its compute dtype."""
+        autocast = self.ref_autocast if model is self.reference else self.autocast
+        return answer_logprobs(
+            model, self.tokenizer, prompts, answers, self.device, autocast=autocast
+        )
 
     def state_dict(self) -> dict:
         return single_model_state(self)

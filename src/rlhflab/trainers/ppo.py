@@ -238,12 +238,12 @@ class PPOTrainer:
             all_done=self.all_done,
             ignore_eos=r.ignore_eos,
             scores=self._sampling_scores(reuse),
+            autocast=self.cast.autocast,  # model.compute_dtype, as scoring and training
         )
 
     def _score(self, rollout: Rollout, reuse: bool) -> None:
-        """Step 2: fill the old and reference log-probs, the values and the reward (a separate
-        critic's values may come from its first training forward, run here and kept for
-        step 8)."""
+        """Step 2: old and reference log-probs, values, reward (a separate critic's values
+        may come from its first training forward, run here and kept for step 8)."""
         r = self.cfg.rollout
         policy_forward = not reuse and rollout.old_logprobs is None
         critic_now = self.update.critic_forward_kept(len(rollout))
@@ -291,7 +291,7 @@ class PPOTrainer:
         value left old log-probs unset; score them the way step 2 would have."""
         r = self.cfg.rollout
         if rollout.old_logprobs is None or not self.update.reuse_filled.all():
-            score_policy(self.cast.policy, rollout, r.temperature, r.score_micro_batch)
+            score_policy(self.cast, rollout, r.temperature, r.score_micro_batch)
 
     def reuses_training_forward(self) -> bool:
         """Whether step 8's forward can supply the old log-probs (ppo.reuse_training_forward):

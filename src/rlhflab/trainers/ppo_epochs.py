@@ -95,7 +95,8 @@ class PPOUpdate:
         """Step 2's part under ppo.values_from_training_forward: the old values, detached,
         and the graph that step 8's first value loss backpropagates."""
         T = ro.response_ids.shape[1]
-        values = answer_values(self.train_critic, ro.sequences, ro.attention_mask, T)
+        with self.cast.autocast():
+            values = answer_values(self.train_critic, ro.sequences, ro.attention_mask, T)
         ro.values = values.detach()
         self.kept_values = values
 
@@ -256,6 +257,7 @@ class PPOUpdate:
             with_entropy=p.entropy_coef > 0 or self.reuse_filled is not None,
             shared=cast.shared,
             entropy_grad=p.entropy_coef > 0,
+            autocast=cast.autocast,  # model.compute_dtype; the losses below are fp32
         )
         if self.reuse_filled is not None:
             # the weights that sampled the rollout, before any update: these *are* the old
@@ -295,8 +297,9 @@ class PPOUpdate:
         if self.kept_values is not None:
             values, self.kept_values = self.kept_values[i], None
         else:
-            T = ro.response_ids.shape[1]
-            values = answer_values(self.train_critic, ro.sequences[i], ro.attention_mask[i], T)
+            T, seqs, mask = ro.response_ids.shape[1], ro.sequences[i], ro.attention_mask[i]
+            with self.cast.autocast():
+                values = answer_values(self.train_critic, seqs, mask, T)
         value = self._value_loss(values, ro, i, m, returns, agg)
         if not self.ctx.all_true(bool(torch.isfinite(value.loss))):
             return None

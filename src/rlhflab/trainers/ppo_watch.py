@@ -55,11 +55,17 @@ class PPOWatch:
             return None
         args = (rollout.prompt_ids, rollout.prompt_mask, mc.phrases, r.temperature)
         tok, micro = self.cast.tokenizer, r.score_micro_batch
-        # every rank's prompts: the signal is a ratio of means over the global batch
-        return tuple(
-            self.ctx.all_gather_cat(opener_logprobs(model, tok, *args, micro, mc.opener_tokens))
-            for model in (self.cast.policy_lm, self.cast.reference)
-        )
+        # every rank's prompts: the signal is a ratio of means over the global batch; each
+        # model in the arithmetic it trains or scores in (model.compute_dtype)
+        cast, out = self.cast, []
+        for model, autocast in (
+            (cast.policy_lm, cast.autocast),
+            (cast.reference, cast.reference_autocast),
+        ):
+            with autocast():
+                lp = opener_logprobs(model, tok, *args, micro, mc.opener_tokens)
+            out.append(self.ctx.all_gather_cat(lp))
+        return tuple(out)
 
     def check_kl_sign(self, seq_kl: torch.Tensor) -> None:
         """Warn once a run when the global batch's per-answer k1 KL (B,) is significantly
@@ -109,6 +115,7 @@ class PPOWatch:
                 self.cast.device,
                 all_done=self.all_done,
                 ignore_eos=r.ignore_eos,
+                autocast=self.cast.reference_autocast,
             )
         signals = self.monitor.signals(rollout, metrics, ref, openers)
         signals = self.ctx.mean_metrics(signals)

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 
 import torch
 
+from rlhflab import models as M
 from rlhflab.config import Config
 from rlhflab.config.base import to_dict
 from rlhflab.infra import checkpoint as C
@@ -55,6 +56,7 @@ class SupervisedTrainer:
         self.cfg, self.stage = cfg, stage
         self.section = getattr(cfg, stage)
         self.model, self.tokenizer = model, tokenizer
+        self.device = next(model.parameters()).device
         self.n_examples, self.batch_loss = n_examples, batch_loss
         s = self.section
         self.opt = build_optimizer_simple(model.parameters(), s.lr)
@@ -75,7 +77,10 @@ class SupervisedTrainer:
     def step(self) -> dict[str, float]:
         batch = self.section.batch_size
         idx = torch.randint(self.n_examples, (batch,), generator=self.gens["batch"]).tolist()
-        loss = self.batch_loss(idx)
+        # the forward under model.compute_dtype's autocast; the loss's maths reads fp32
+        # log-probs and scores (autocast lowers matrix products only), as does backward
+        with M.compute_autocast(self.device, self.cfg.model.compute_dtype):
+            loss = self.batch_loss(idx)
         value = supervised_step(
             self.model, self.opt, self.sched, loss, self.iteration + 1, self.halt
         )
