@@ -5,7 +5,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= dev,lora,data,gguf
+EXTRAS ?= dev,lora,data,gguf,sweep
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 

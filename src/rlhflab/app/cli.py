@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     ppo = sub.add_parser("ppo", help="PPO against a reward model")
     _config_args(ppo)
     ppo.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    from rlhflab.app.sweep_cli import add_parser as add_sweep
+
+    add_sweep(sub)
     # export, generate, eval: the commands around training (app/around.py)
     add_parsers(sub, _config_args)
     return parser
@@ -254,6 +257,12 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_sweep(args) -> int:
+    from rlhflab.app.sweep_cli import cmd_sweep as run
+
+    return run(args)
+
+
 COMMANDS = {
     "memory": cmd_memory,
     "config": cmd_config,
@@ -267,6 +276,7 @@ COMMANDS = {
     "rloo": cmd_grpo,
     "dpo": cmd_dpo,
     "compare": cmd_compare,
+    "sweep": cmd_sweep,
     "export": cmd_export,
     "generate": cmd_generate,
     "eval": cmd_eval,

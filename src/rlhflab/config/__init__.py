@@ -20,6 +20,7 @@ from rlhflab.config.stages import (
     SFTConfig,
     with_stage_defaults,
 )
+from rlhflab.config.sweep import DEFAULT_SPACES, SweepConfig
 from rlhflab.config.training import (
     ADVANTAGE_ESTIMATORS,
     CRITIC_FREE_ESTIMATORS,
@@ -51,6 +52,7 @@ class Config:
     dpo: DPOConfig = section(DPOConfig, "Direct preference optimisation (rlhflab dpo).")
     sft: SFTConfig = section(SFTConfig, "Supervised fine-tuning (rlhflab sft).")
     rm: RMConfig = section(RMConfig, "Reward-model training (rlhflab rm).")
+    sweep: SweepConfig = section(SweepConfig, "Hyperparameter search (rlhflab sweep).")
 
 
 # The short names the settings' documentation cites, spelled out (docs/ppo-details.md §0
@@ -239,6 +241,8 @@ __all__ = [
     "SFTConfig",
     "SOURCES",
     "STAGE_DEFAULTS",
+    "DEFAULT_SPACES",
+    "SweepConfig",
     "load_config",
     "validate",
 ]

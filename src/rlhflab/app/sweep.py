@@ -1,0 +1,311 @@
+"""``rlhflab sweep``: the dozens of small experiments before a big run, on Optuna.
+
+Each trial is an ordinary run directory (``SWEEP/trial-NNN``) of the configured method with
+the settings Optuna's TPE sampler picked from ``sweep.space``. Every iteration the trial
+reports its running objective (gold where a gold reward is set, else the proxy, minus a
+penalty for KL above ``sweep.kl_budget``) through the run loop's step hook, so the median
+pruner can stop a hopeless trial early (with a checkpoint). The study lives in an SQLite
+file in the sweep's folder (any Optuna RDB URL with ``--storage``): a ``kill -9`` loses at
+most the trials in flight, and rerunning the command continues the study until it holds
+``--trials`` finished trials. Results: ``sweep.json``, ``best.yaml`` and ``report.html``
+(:mod:`rlhflab.app.sweep_report`).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+from rlhflab.config import DEFAULT_SPACES, Config, ConfigError, load_config, validate
+from rlhflab.config import base as configbase
+from rlhflab.trainers.common import TrainingHalted
+
+log = logging.getLogger(__name__)
+
+SPEC_KEYS = {"low", "high", "log"}
+
+
+def require_optuna():
+    try:
+        import optuna
+    except ImportError:
+        raise ConfigError("rlhflab sweep needs optuna: pip install 'rlhflab[sweep]'") from None
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return optuna
+
+
+def _number(value, where: str) -> float | int:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ConfigError(f"{where}: expected a number, got {value!r}")
+    try:  # YAML 1.1 reads 1e-6 (no dot) as a string
+        return value if isinstance(value, (int, float)) else float(value)
+    except ValueError:
+        raise ConfigError(f"{where}: expected a number, got {value!r}") from None
+
+
+def check_space(space: dict, base: dict) -> dict[str, dict]:
+    """``space`` with its numbers parsed; each entry must name a setting that accepts the
+    range's ends (or every choice), so a typo fails before any trial runs."""
+    if not isinstance(space, dict) or not space:
+        raise ConfigError("sweep.space: expected a mapping of setting → range, not empty")
+    out = {}
+    for key, spec in space.items():
+        where = f"sweep.space.{key}"
+        if not isinstance(spec, dict):
+            raise ConfigError(f"{where}: expected {{low, high[, log]}} or {{choices: [...]}}")
+        if "choices" in spec:
+            if set(spec) != {"choices"} or not isinstance(spec["choices"], list):
+                raise ConfigError(f"{where}: {{choices: [...]}} takes a list and nothing else")
+            if not spec["choices"]:
+                raise ConfigError(f"{where}: no choices")
+            clean, probes = {"choices": list(spec["choices"])}, list(spec["choices"])
+        else:
+            if not {"low", "high"} <= set(spec) <= SPEC_KEYS:
+                raise ConfigError(f"{where}: a range needs low and high (and optionally log)")
+            low, high = _number(spec["low"], where + ".low"), _number(spec["high"], where + ".high")
+            log_scale = bool(spec.get("log", False))
+            if not low < high:
+                raise ConfigError(f"{where}: low ({low}) must be below high ({high})")
+            if log_scale and low <= 0:
+                raise ConfigError(f"{where}: a log scale needs low > 0 (it is {low})")
+            clean, probes = {"low": low, "high": high, "log": log_scale}, [low, high]
+        for probe in probes:
+            try:
+                configbase.build(
+                    Config, configbase.merge_overrides(copy.deepcopy(base), {key: probe})
+                )
+            except ConfigError as exc:
+                raise ConfigError(f"{where}: {exc}") from None
+        out[key] = clean
+    return out
+
+
+def suggest(trial, space: dict[str, dict]) -> dict:
+    """One value per setting of ``space`` from an Optuna trial (ints where both ends are)."""
+    params = {}
+    for key, spec in space.items():
+        if "choices" in spec:
+            params[key] = trial.suggest_categorical(key, spec["choices"])
+        elif isinstance(spec["low"], int) and isinstance(spec["high"], int):
+            params[key] = trial.suggest_int(key, spec["low"], spec["high"], log=spec["log"])
+        else:
+            low, high = float(spec["low"]), float(spec["high"])
+            params[key] = trial.suggest_float(key, low, high, log=spec["log"])
+    return params
+
+
+def iteration_objective(
+    metrics: dict, use_gold: bool, kl_budget: float | None, kl_penalty: float
+) -> float:
+    """One iteration's objective: the batch's mean gold reward (or proxy score), less
+    ``kl_penalty`` per nat of KL to the reference above ``kl_budget``."""
+    value = float(metrics["monitor/gold"] if use_gold else metrics["objective/scores"])
+    if kl_budget is not None:
+        value -= kl_penalty * max(0.0, float(metrics["objective/kl"]) - kl_budget)
+    return value
+
+
+def uses_gold(cfg: Config) -> bool:
+    objective = cfg.sweep.objective
+    has_gold = bool(cfg.monitor.gold) and cfg.monitor.enabled
+    if objective == "gold" and not has_gold:
+        raise ConfigError(
+            "sweep.objective: 'gold' needs monitor.gold (a gold reward function) and "
+            "monitor.enabled; use 'proxy' or 'auto'"
+        )
+    return objective == "gold" or (objective == "auto" and has_gold)
+
+
+def run_trial(trial, base: dict, space: dict, sweep_dir: Path, stage: str) -> float:
+    """Train one trial's run to its end (or until pruned); its objective."""
+    optuna = require_optuna()
+    params = suggest(trial, space)
+    data = configbase.merge_overrides(copy.deepcopy(base), params)
+    out = sweep_dir / f"trial-{trial.number:03d}"
+    data["log"].update(output_dir=str(out), progress=False)
+    cfg = validate(configbase.build(Config, data), stage)
+    s, use_gold = cfg.sweep, uses_gold(cfg)
+    trial.set_user_attr("run_dir", str(out))
+    from rlhflab.trainers.ppo import PPOTrainer
+
+    engine = PPOTrainer(cfg)
+    values: list[float] = []
+    state = {"pruned": False}
+
+    def report(step: int, metrics: dict) -> bool:
+        values.append(iteration_objective(metrics, use_gold, s.kl_budget, s.kl_penalty))
+        running = sum(values[-s.last_iterations :]) / len(values[-s.last_iterations :])
+        trial.report(running, step)
+        state["pruned"] = trial.should_prune()
+        return state["pruned"]  # True stops the run here, with a checkpoint
+
+    engine.step_hooks.append(report)
+    engine.fit()
+    trial.set_user_attr("iterations", len(values))
+    if state["pruned"]:
+        raise optuna.TrialPruned(f"pruned at iteration {len(values)}")
+    tail = values[-s.last_iterations :]
+    value = sum(tail) / len(tail)
+    if not math.isfinite(value):
+        raise TrainingHalted(f"trial {trial.number}: the objective is not finite ({value})")
+    return value
+
+
+def open_study(optuna, storage: str, name: str, cfg: Config, worker: int = 0):
+    """The study (created or continued); worker k samples from seed + k, so parallel
+    workers do not propose the same settings."""
+    s = cfg.sweep
+    if storage.startswith(("sqlite", "postgresql", "mysql")):
+        # a trial whose process died (kill -9, a lost machine) stops beating and is marked
+        # failed, so it never counts towards --trials
+        with warnings.catch_warnings():  # heartbeats are "experimental" in Optuna's terms
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            storage = optuna.storages.RDBStorage(storage, heartbeat_interval=30, grace_period=90)
+    if s.pruner == "median":
+        warmup = int(s.prune_warmup * cfg.ppo.iterations)
+        pruner = optuna.pruners.MedianPruner(
+            n_startup_trials=s.prune_after_trials, n_warmup_steps=warmup
+        )
+    else:
+        pruner = optuna.pruners.NopPruner()
+    sampler = optuna.samplers.TPESampler(seed=cfg.seed + worker, n_startup_trials=s.startup_trials)
+    return optuna.create_study(
+        storage=storage,
+        study_name=name,
+        direction="maximize",
+        sampler=sampler,
+        pruner=pruner,
+        load_if_exists=True,
+    )
+
+
+def finished(optuna, study) -> int:
+    states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+    return len(study.get_trials(deepcopy=False, states=states))
+
+
+def optimise(study, optuna, total: int, objective) -> None:
+    """Run trials until the study holds ``total`` finished (complete or pruned) ones; a trial
+    whose settings are refused or whose training halts is marked failed and replaced, up to
+    ``total`` failures in a row."""
+    done_cb = optuna.study.MaxTrialsCallback(
+        total, states=(optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+    )
+    failures = 0
+    while finished(optuna, study) < total:
+        before = finished(optuna, study)
+        study.optimize(
+            objective,
+            n_trials=total - before,
+            catch=(ConfigError, TrainingHalted),
+            callbacks=[done_cb],
+        )
+        failures = failures + 1 if finished(optuna, study) == before else 0
+        if failures >= max(total, 3):
+            raise ConfigError(
+                f"sweep: {failures} rounds without a finished trial; see the failed trials' "
+                "messages in the log (settings the trainer refuses, or training that halts)"
+            )
+
+
+# ---------------------------------------------------------------- --preset: the built-in task
+# The demo's SFT model and reward model, trained once into the sweep's folder, are every
+# trial's starting point and reward; the task's gold reward is the objective.
+
+
+def _complete(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
+
+
+def preset_base(
+    preset: str, seed: int, out: str | None, overrides: list[str]
+) -> tuple[Config, str, Path, str]:
+    """(base config, stage, sweep folder, study name): the demo preset's PPO config, its SFT
+    and reward models trained unless a previous start of the sweep left them whole."""
+    from rlhflab.app.compare import method_config
+    from rlhflab.app.demo import _COMMON, demo_config
+    from rlhflab.trainers.rm import train_rm
+    from rlhflab.trainers.sft import train_sft
+
+    name = f"{preset}-s{seed}"
+    sweep_dir = Path(out or Path("runs") / "sweeps" / name)
+    run, cfg = demo_config(preset, seed, sweep_dir.parent, overrides)
+    base_dir = sweep_dir / "base"
+    cfg.sft.output_dir, cfg.rm.output_dir = str(base_dir / "sft"), str(base_dir / "rm")
+    cfg.model.policy, cfg.reward.model = cfg.sft.output_dir, cfg.rm.output_dir
+    if not _complete(base_dir / "sft"):
+        sft_cfg = load_config(base=_COMMON, overrides=[f"seed={seed}"], stage="sft")
+        sft_cfg.sft, sft_cfg.log = cfg.sft, cfg.log
+        train_sft(sft_cfg)
+    if not _complete(base_dir / "rm"):
+        train_rm(cfg)
+    stage = cfg.sweep.method
+    if stage != "ppo":
+        cfg = method_config(cfg, stage, sweep_dir)
+    return cfg, stage, sweep_dir, name
+
+
+def base_config(args) -> tuple[Config, str, Path, str]:
+    """(base config, stage, sweep folder, study name) from --config or --preset."""
+    overrides = list(args.overrides or [])
+    if args.preset:
+        return preset_base(args.preset, args.seed, args.out, overrides)
+    if not args.config:
+        raise ConfigError("rlhflab sweep: give --config FILE or --preset NAME")
+    first = load_config(args.config, overrides)
+    stage = first.sweep.method
+    cfg = load_config(args.config, overrides, stage=stage) if stage != "ppo" else first
+    name = args.name or Path(args.config).stem
+    return cfg, stage, Path(args.out or Path("runs") / "sweeps" / name), name
+
+
+def run_sweep(args) -> dict:
+    """``rlhflab sweep``: set up, optimise (with ``--jobs`` worker processes), report."""
+    optuna = require_optuna()
+    cfg, stage, sweep_dir, name = base_config(args)
+    name = args.name or name
+    uses_gold(cfg)  # an impossible objective fails here, not in every trial
+    base = configbase.to_dict(cfg)
+    space = check_space(cfg.sweep.space or DEFAULT_SPACES[stage], base)
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    storage = args.storage or f"sqlite:///{(sweep_dir / 'study.db').resolve()}"
+    workers = [] if args.worker else _spawn_workers(args, sweep_dir, storage, name)
+    study = open_study(optuna, storage, name, cfg, worker=args.worker)
+    optimise(study, optuna, args.trials, lambda t: run_trial(t, base, space, sweep_dir, stage))
+    for w in workers:
+        w.wait()
+    if args.worker:
+        return {}
+    from rlhflab.app.sweep_report import write_results
+
+    return write_results(study, optuna, cfg, space, sweep_dir, name, describe_objective(cfg))
+
+
+def describe_objective(cfg: Config) -> str:
+    s = cfg.sweep
+    what = "gold reward (monitor/gold)" if uses_gold(cfg) else "proxy reward (objective/scores)"
+    text = f"mean {what} of the last {s.last_iterations} iterations"
+    if s.kl_budget is not None:
+        text += f", less {s.kl_penalty} per nat of KL above {s.kl_budget}"
+    return text
+
+
+def _spawn_workers(args, sweep_dir: Path, storage: str, name: str) -> list:
+    """``--jobs J``: J − 1 more processes on the same study (one per core or machine)."""
+    procs = []
+    for k in range(1, args.jobs):
+        cmd = [sys.executable, "-m", "rlhflab", "sweep", "--trials", str(args.trials)]
+        cmd += ["--storage", storage, "--name", name, "--out", str(sweep_dir)]
+        cmd += ["--worker", str(k), "--seed", str(args.seed)]
+        cmd += ["--preset", args.preset] if args.preset else ["--config", args.config]
+        cmd += list(args.overrides or [])
+        logfile = open(sweep_dir / f"worker-{k}.log", "w")  # noqa: SIM115 (kept for the child)
+        env = {**os.environ, "RLHFLAB_ALLOCATOR": os.environ.get("RLHFLAB_ALLOCATOR", "auto")}
+        procs.append(subprocess.Popen(cmd, stdout=logfile, stderr=subprocess.STDOUT, env=env))
+    return procs

@@ -1,0 +1,162 @@
+"""rlhflab sweep: the space is checked before any trial, trials are ordinary runs, the study
+continues where it stopped (also after kill -9), a pruned trial stops early with a
+checkpoint and counts towards --trials."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlhflab.app.cli import main
+from rlhflab.app.sweep import check_space, iteration_objective
+from rlhflab.config import ConfigError, load_config
+from rlhflab.config.base import to_dict
+
+optuna = pytest.importorskip("optuna")
+
+CONFIG = {
+    "model": {"policy": "preset:nano"},
+    "reward": {"functions": {"rlhflab.builtin.toy_rewards:vocabulary_reward": 1.0}},
+    "rollout": {"prompts_per_iteration": 8, "max_new_tokens": 6},
+    "ppo": {"iterations": 3, "epochs": 1},
+    "monitor": {
+        "gold": "rlhflab.builtin.tasks:gold_reward",
+        "flattery_opener_ratio": None,
+        "reference_every": 0,
+    },
+    "log": {"progress": False},
+    "sweep": {
+        "space": {
+            "ppo.lr": {"low": 1e-5, "high": 1e-3, "log": True},
+            "ppo.minibatches": {"choices": [1, 2]},
+        }
+    },
+}
+
+
+def write_config(folder: Path, **sweep) -> Path:
+    data = json.loads(json.dumps(CONFIG))
+    data["sweep"].update(sweep)
+    path = folder / "sw.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def trials(folder: Path) -> list[dict]:
+    return json.loads((folder / "sweep.json").read_text())["trials"]
+
+
+def test_the_space_is_checked_before_any_trial():
+    base = to_dict(load_config(reward_given=True))
+    ok = check_space({"ppo.lr": {"low": "1e-6", "high": 1e-4, "log": True}}, base)
+    assert ok == {"ppo.lr": {"low": 1e-6, "high": 1e-4, "log": True}}
+    for space, message in (
+        ({"ppo.learning_rate": {"low": 1e-6, "high": 1e-4}}, "unknown config key"),
+        ({"ppo.lr": {"low": 1e-4, "high": 1e-6}}, "must be below"),
+        ({"ppo.lr": {"low": 0, "high": 1e-4, "log": True}}, "log scale needs low > 0"),
+        ({"ppo.minibatches": {"choices": []}}, "no choices"),
+        ({"ppo.clip_low": {"low": -1.0, "high": 0.2}}, "ppo.clip_low"),
+        ({"ppo.lr": [1e-6, 1e-4]}, "expected {low, high"),
+        ({}, "not empty"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            check_space(space, base)
+
+
+def test_the_objective_is_gold_or_proxy_less_kl_over_the_budget():
+    m = {"monitor/gold": 0.5, "objective/scores": 2.0, "objective/kl": 6.0}
+    assert iteration_objective(m, True, None, 0.1) == 0.5
+    assert iteration_objective(m, False, None, 0.1) == 2.0
+    assert iteration_objective(m, True, 4.0, 0.1) == pytest.approx(0.3)
+    assert iteration_objective(m, True, 8.0, 0.1) == 0.5
+
+
+def test_a_sweep_runs_its_trials_and_a_rerun_continues_the_study(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = write_config(tmp_path)
+    assert main(["sweep", "--config", str(config), "--trials", "3", "--out", "sw"]) == 0
+    first = trials(tmp_path / "sw")
+    assert [t["state"] for t in first] == ["complete"] * 3
+    for t in first:  # every trial is an ordinary run directory
+        assert (Path(t["run_dir"]) / "metrics.jsonl").is_file()
+        assert t["iterations"] == 3
+    best = yaml.safe_load((tmp_path / "sw/best.yaml").read_text())
+    rerun = load_config(base=best)  # loads as a config of the method, ready to rerun
+    winner = max(first, key=lambda t: t["value"])
+    assert rerun.ppo.lr == winner["params"]["ppo.lr"]
+    assert "Best: trial" in (tmp_path / "sw/report.html").read_text()
+    assert main(["sweep", "--config", str(config), "--trials", "4", "--out", "sw"]) == 0
+    again = trials(tmp_path / "sw")
+    assert [t["number"] for t in again] == [0, 1, 2, 3]
+    assert again[:3] == first  # the finished trials were not run again
+
+
+def test_a_pruned_trial_stops_early_with_a_checkpoint_and_counts(tmp_path, monkeypatch):
+    class PruneLaterTrials(optuna.pruners.BasePruner):
+        def prune(self, study, trial):
+            return trial.number > 0 and max(trial.intermediate_values) >= 2
+
+    monkeypatch.setattr(optuna.pruners, "MedianPruner", lambda **kw: PruneLaterTrials())
+    config = write_config(tmp_path)
+    out = tmp_path / "sw"
+    args = [
+        "sweep",
+        "--config",
+        str(config),
+        "--trials",
+        "2",
+        "--out",
+        str(out),
+        "ppo.iterations=5",
+    ]
+    assert main(args) == 0
+    rows = trials(out)
+    assert [t["state"] for t in rows] == ["complete", "pruned"]
+    assert rows[0]["iterations"] == 5
+    pruned = Path(rows[1]["run_dir"])
+    assert len((pruned / "metrics.jsonl").read_text().splitlines()) == 2
+    assert (pruned / "checkpoints" / "step-2").is_dir()
+
+
+@pytest.mark.slow
+def test_a_sweep_killed_mid_trial_resumes_to_its_total(tmp_path):
+    config = write_config(tmp_path)
+    out = tmp_path / "sw"
+    cmd = [sys.executable, "-m", "rlhflab", "--allocator", "system", "sweep", "--config"]
+    cmd += [str(config), "--trials", "3", "--out", str(out)]
+    proc = subprocess.Popen(
+        [*cmd, "ppo.iterations=20"],
+        cwd=tmp_path,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    storage = f"sqlite:///{out / 'study.db'}"
+    deadline = time.time() + 240
+    complete = optuna.trial.TrialState.COMPLETE
+    while time.time() < deadline:  # kill -9 once trial 0 is done and trial 1 is running
+        time.sleep(0.5)
+        try:
+            study = optuna.load_study(study_name="sw", storage=storage)
+            states = [t.state for t in study.get_trials(deepcopy=False)]
+        except Exception:  # the database is not created yet
+            continue
+        if states[:1] == [complete] and len(states) == 2:
+            break
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert states[:1] == [complete], states
+    done = subprocess.run([*cmd, "ppo.iterations=3"], cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = trials(out)
+    states = [t["state"] for t in rows]
+    assert states.count("complete") == 3 and len(rows) == 4
+    assert states[1] in ("running", "fail")  # the killed trial: never counted
