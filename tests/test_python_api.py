@@ -213,6 +213,8 @@ def test_bad_arguments_are_refused_with_their_name(tmp_path):
         rlhflab.PPOTrainer("preset:nano", reward=short, prompts=[3], output_dir=tmp_path)
     with pytest.raises(ConfigError, match="prompts: no rows"):
         rlhflab.PPOTrainer("preset:nano", reward=short, prompts=[], output_dir=tmp_path)
+    with pytest.raises(ConfigError, match="reward: a model object needs its tokenizer"):
+        rlhflab.PPOTrainer("preset:nano", reward=model, output_dir=tmp_path)
 
 
 def test_importable_spec_names_only_what_imports_back():

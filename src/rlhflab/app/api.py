@@ -113,7 +113,8 @@ class PPOTrainer(Trainer):
     ``(prompts, responses) -> list[float] | dict[str, list[float]]``, or a list of these or a
     dict of these to weights. ``prompts``: a path, a list of strings or chat message lists,
     or a ``datasets.Dataset``/``DatasetDict`` (split ``data.split``); None: the built-in
-    task. ``gold``: a gold reward for the monitor and the report. ``output_dir``: the run
+    task. ``reward_tokenizer``: the tokenizer of a reward-model object (default: ``tokenizer``).
+    ``gold``: a gold reward for the monitor and the report. ``output_dir``: the run
     directory (``log.output_dir``).
     """
 
@@ -126,6 +127,7 @@ class PPOTrainer(Trainer):
         prompts=None,
         *,
         tokenizer=None,
+        reward_tokenizer=None,
         gold=None,
         config=None,
         overrides=None,
@@ -139,7 +141,7 @@ class PPOTrainer(Trainer):
             cfg.log.output_dir = str(output_dir)
         inputs = Path(cfg.log.output_dir) / "inputs"
         cfg.model.policy = I.model_folder(model, tokenizer, inputs / "policy", "model", resume)
-        rewards = I.apply_rewards(cfg, reward, tokenizer, inputs, resume)
+        rewards = I.apply_rewards(cfg, reward, reward_tokenizer or tokenizer, inputs, resume)
         split = getattr(cfg.data, "split", "train")
         prompt_file = I.rows_file(prompts, inputs / "prompts.jsonl", "prompts", split, I.prompt_row)
         if prompt_file is not None:

@@ -75,8 +75,8 @@ def model_folder(model, tokenizer, folder: Path, what: str, reuse: bool) -> str:
         )
     if tokenizer is None:
         raise ConfigError(
-            f"{what}: a model object needs its tokenizer (tokenizer=...); rlhflab never "
-            "downloads one"
+            f"{what}: a model object needs its tokenizer (tokenizer=; for a reward model "
+            "with its own, reward_tokenizer=); rlhflab never downloads one"
         )
     if reuse and (folder / "config.json").is_file():
         log.info("%s: resuming; keeping %s, written when the run started", what, folder)
