@@ -201,6 +201,8 @@ def test_bad_arguments_are_refused_with_their_name(tmp_path):
     model, tokenizer = nano_object()
     with pytest.raises(ConfigError, match="model: a model object needs its tokenizer"):
         rlhflab.PPOTrainer(model, reward=short, output_dir=tmp_path)
+    with pytest.raises(ConfigError, match="reward: a model object needs its tokenizer"):
+        rlhflab.PPOTrainer("preset:nano", reward=model, output_dir=tmp_path)
     peft = pytest.importorskip("peft")
     wrapped = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"]))
     with pytest.raises(ConfigError, match="PEFT model object"):
@@ -213,8 +215,6 @@ def test_bad_arguments_are_refused_with_their_name(tmp_path):
         rlhflab.PPOTrainer("preset:nano", reward=short, prompts=[3], output_dir=tmp_path)
     with pytest.raises(ConfigError, match="prompts: no rows"):
         rlhflab.PPOTrainer("preset:nano", reward=short, prompts=[], output_dir=tmp_path)
-    with pytest.raises(ConfigError, match="reward: a model object needs its tokenizer"):
-        rlhflab.PPOTrainer("preset:nano", reward=model, output_dir=tmp_path)
 
 
 def test_importable_spec_names_only_what_imports_back():
