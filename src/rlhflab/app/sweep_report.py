@@ -124,15 +124,24 @@ def _svg_over_trials(rows: list[dict]) -> str:
     for x, y in sorted(points):
         best = max(best, y)
         line.append(f"{sx(x):.1f},{sy(best):.1f}")
+    step = max(1, len(xs) // 10)
+    ticks = "".join(
+        f'<text x="{sx(x):.1f}" y="{h - pad + 14}" text-anchor="middle" font-size="11">{x}</text>'
+        for x in sorted(xs)[::step]
+    )
     axes = (
         f'<line x1="{pad}" y1="{h - pad}" x2="{w - pad}" y2="{h - pad}" stroke="#888"/>'
         f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{h - pad}" stroke="#888"/>'
-        f'<text x="{w / 2}" y="{h - 8}" text-anchor="middle" font-size="12">trial</text>'
+        f'<text x="{w / 2}" y="{h - 6}" text-anchor="middle" font-size="12">trial</text>'
+        f'<text x="12" y="{h / 2}" text-anchor="middle" font-size="12" '
+        f'transform="rotate(-90 12 {h / 2})">objective</text>'
         f'<text x="{pad - 4}" y="{sy(y1):.1f}" text-anchor="end" font-size="11">{y1:.3g}</text>'
         f'<text x="{pad - 4}" y="{sy(y0):.1f}" text-anchor="end" font-size="11">{y0:.3g}</text>'
+        + ticks
     )
     return (
-        f'<svg viewBox="0 0 {w} {h}" width="100%" role="img" aria-label="objective over trials">'
+        f'<svg viewBox="0 0 {w} {h}" width="100%" style="max-width:800px" role="img" '
+        f'aria-label="objective over trials">'
         f'{axes}<polyline points="{" ".join(line)}" fill="none" stroke="#d62728" stroke-width="2"/>'
         f"{dots}</svg><p>Blue: each trial's objective; red: the best so far.</p>"
     )
@@ -151,7 +160,7 @@ def render(result: dict) -> str:
     )
     imp = (
         "".join(
-            f'<tr><td>{html.escape(k)}</td><td><div class="bar" style="width:{100 * v:.0f}%"></div></td>'
+            f'<tr><td>{html.escape(k)}</td><td class="barcell"><div class="bar" style="width:{100 * v:.0f}%"></div></td>'
             f"<td>{v:.2f}</td></tr>"
             for k, v in sorted(result["importance"].items(), key=lambda kv: -kv[1])
         )
@@ -190,6 +199,7 @@ def render(result: dict) -> str:
 <style>body{{font-family:system-ui,sans-serif;max-width:1100px;margin:1em auto;padding:0 1em}}
 table{{border-collapse:collapse;margin:.5em 0}}td,th{{border:1px solid #ccc;padding:2px 6px;text-align:left}}
 .scroll{{overflow-x:auto}}.bar{{background:#1f77b4;height:10px;min-width:2px}}
+.barcell{{width:160px}}
 .verdict{{font-size:1.2em;background:#eef5ff;padding:.6em;border-radius:6px}}</style></head><body>
 <h1>Sweep {html.escape(result["name"])}</h1>
 <p class="verdict">{verdict}</p>
