@@ -151,6 +151,23 @@ def test_sft_chat_rows_cut_the_whole_conversation_after_the_generation_prompt(to
     assert rest == [(HEAD, "cat<|end|>")] * 3
 
 
+def test_a_template_that_ends_the_turn_with_eos_gives_one_eos_as_a_rollout_does(tok):
+    """ChatML (SmolLM2, Qwen) closes a turn with the EOS token and a newline: the answer
+    keeps neither, and encoded as SFT and the reward model encode it, it ends with exactly
+    one EOS, where a PPO rollout of the same answer ends."""
+    from rlhflab.trainers.sft import encode_pairs
+
+    tok.chat_template = TEMPLATE.replace("<|end|>", "{{ eos_token }}\n")
+    (prompt, answer), *_ = load_sft_pairs([{"prompt": USER, "completion": "cat"}], tok)
+    assert answer == "cat"
+    ids, attn, loss_mask = encode_pairs(tok, [(prompt, answer)])
+    row = ids[0][attn[0].bool()].tolist()
+    assert (
+        row[-1] == tok.eos_token_id
+        and row.count(tok.eos_token_id) == prompt.count(tok.eos_token) + 1
+    )
+
+
 def test_a_generation_prompt_the_whole_conversation_does_not_start_with(tok):
     # like DeepSeek-R1's: <think> after the generation prompt only; the cut falls where the
     # two agree, so that prompt + response is still the whole conversation

@@ -64,6 +64,21 @@ def test_a_stop_reason_ends_the_run_with_a_checkpoint(tmp_path):
     assert job.saved == [2, 3]
 
 
+def test_step_hooks_see_every_step_the_stopping_one_too_and_can_stop_a_run(tmp_path):
+    seen = []
+    job = CountingJob(tmp_path, stop_after=3)
+    job.step_hooks = [lambda step, metrics: seen.append(step)]
+    assert loop(tmp_path).run(job).steps == 3 and seen == [1, 2, 3]
+
+    def stop_at_two(step, metrics):
+        return step == 2
+
+    job = CountingJob(tmp_path / "b")
+    job.step_hooks = [stop_at_two]
+    done = loop(tmp_path / "b").run(job)
+    assert done.steps == 2 and "stop_at_two" in done.stop_reason and job.saved[-1] == 2
+
+
 def test_resume_starts_after_the_newest_checkpoint_and_appends_to_the_log(tmp_path):
     loop(tmp_path, total=3).run(CountingJob(tmp_path))
     again = CountingJob(tmp_path)

@@ -76,6 +76,11 @@ def test_ppo_from_python_with_a_model_object_a_lambda_and_a_prompt_list(tmp_path
     assert [r["prompt"] for r in rows] == PROMPTS
     saved = yaml.safe_load((tmp_path / "run/config.yaml").read_text())
     assert saved["reward"]["functions"] == {}  # a lambda cannot be named in a file
+    # so the command line, which cannot bring it, refuses to resume the run
+    from rlhflab.app.cli import main
+
+    argv = ["ppo", "--config", str(tmp_path / "run/config.yaml"), "--resume"]
+    assert main(argv) == 2
     out = trainer.save(tmp_path / "policy")
     from transformers import AutoModelForCausalLM
 
@@ -178,6 +183,31 @@ def test_sft_rm_and_dpo_from_python_then_ppo_on_their_folders(tmp_path):
     assert ppo.config.reward.functions == {f"{__name__}:short": 0.5}
     metrics = ppo.train()["last"]
     assert "objective/scores/rm/preference" in metrics
+
+
+def test_without_model_the_configs_policy_is_kept(tmp_path):
+    trainer = rlhflab.PPOTrainer(
+        reward=short,
+        prompts=PROMPTS,
+        overrides={**FAST, "model.policy": "preset:nano"},
+        output_dir=tmp_path,
+    )
+    assert trainer.config.model.policy == "preset:nano"
+    assert trainer.model.config.hidden_size == trainer.engine.cast.policy_lm.config.hidden_size
+    with pytest.raises(ConfigError, match="gold: the gold reward is measured by the monitor"):
+        rlhflab.PPOTrainer(reward=short, gold=short, overrides=FAST, output_dir=tmp_path)
+
+
+def test_list_items_with_numpy_values_are_written_and_bad_ones_named(tmp_path):
+    import numpy as np
+
+    rows = [{"prompt": "a", "chosen": "b", "rejected": "c", "labels": {"x": np.float32(1.0)}}]
+    path = I.rows_file(rows, tmp_path / "p.jsonl", "pairs", "train", I.pair_row)
+    assert json.loads(open(path).read())["labels"] == {"x": 1.0}
+    with pytest.raises(ConfigError, match="pairs: item 2"):
+        I.rows_file(
+            [*rows, {"prompt": object()}], tmp_path / "q.jsonl", "pairs", "train", I.pair_row
+        )
 
 
 def test_config_forms_and_a_reward_brought_by_the_caller(tmp_path):

@@ -97,6 +97,8 @@ def test_a_sweep_runs_its_trials_and_a_rerun_continues_the_study(tmp_path, monke
     again = trials(tmp_path / "sw")
     assert [t["number"] for t in again] == [0, 1, 2, 3]
     assert again[:3] == first  # the finished trials were not run again
+    # the restarted sampler does not replay the first start's stream
+    assert again[3]["params"] != first[0]["params"]
 
 
 def test_a_pruned_trial_stops_early_with_a_checkpoint_and_counts(tmp_path, monkeypatch):

@@ -65,6 +65,7 @@ def read_prompts(path: str, src: PolicySource, cfg: Config) -> list[str]:
         d.prompt_field,
         d.messages_field,
         d.on_bad_row,
+        d.split,
     )
     return prompts
 

@@ -108,7 +108,8 @@ class Trainer:
 class PPOTrainer(Trainer):
     """PPO against a reward: ``rlhflab ppo`` from Python.
 
-    ``model``: the policy (a folder, ``preset:NAME`` or a model object with ``tokenizer``).
+    ``model``: the policy (a folder, ``preset:NAME`` or a model object with ``tokenizer``;
+    None: the config's ``model.policy``).
     ``reward``: a reward-model folder or object, ``module:function``, a callable
     ``(prompts, responses) -> list[float] | dict[str, list[float]]``, or a list of these or a
     dict of these to weights. ``prompts``: a path, a list of strings or chat message lists,
@@ -122,7 +123,7 @@ class PPOTrainer(Trainer):
 
     def __init__(
         self,
-        model="preset:tiny",
+        model=None,
         reward=None,
         prompts=None,
         *,
@@ -140,13 +141,19 @@ class PPOTrainer(Trainer):
         if output_dir is not None:
             cfg.log.output_dir = str(output_dir)
         inputs = Path(cfg.log.output_dir) / "inputs"
-        cfg.model.policy = I.model_folder(model, tokenizer, inputs / "policy", "model", resume)
+        if model is not None:  # None: the config's model.policy
+            cfg.model.policy = I.model_folder(model, tokenizer, inputs / "policy", "model", resume)
         rewards = I.apply_rewards(cfg, reward, reward_tokenizer or tokenizer, inputs, resume)
         split = getattr(cfg.data, "split", "train")
         prompt_file = I.rows_file(prompts, inputs / "prompts.jsonl", "prompts", split, I.prompt_row)
         if prompt_file is not None:
             cfg.data.prompts = prompt_file
+        if gold is not None and not cfg.monitor.enabled:
+            raise ConfigError(
+                "gold: the gold reward is measured by the monitor; set monitor.enabled"
+            )
         gold_fn = I.gold_source(cfg, gold)
+        I.note_python_rewards(Path(cfg.log.output_dir), rewards.extra, gold_fn)
         validate(cfg, self.stage, reward_given=bool(rewards.extra))
         from rlhflab.trainers.ppo import PPOTrainer as Engine
 
@@ -192,7 +199,7 @@ class DPOTrainer(Trainer):
 
     def __init__(
         self,
-        model="preset:tiny",
+        model=None,
         pairs=None,
         *,
         tokenizer=None,
@@ -207,7 +214,8 @@ class DPOTrainer(Trainer):
         if output_dir is not None:
             cfg.log.output_dir = str(output_dir)
         inputs = Path(cfg.log.output_dir) / "inputs"
-        cfg.model.policy = I.model_folder(model, tokenizer, inputs / "policy", "model", resume)
+        if model is not None:  # None: the config's model.policy
+            cfg.model.policy = I.model_folder(model, tokenizer, inputs / "policy", "model", resume)
         split = getattr(cfg.data, "split", "train")
         data = I.rows_file(pairs, inputs / "pairs.jsonl", "pairs", split, I.pair_row)
         if data is not None:
@@ -229,11 +237,15 @@ class _ModelOut(Trainer):
     """SFT and RM write their model folder (``<stage>.output_dir``) at the end; their run
     files (and ``inputs/``) sit in its ``run/`` folder."""
 
-    def _setup(self, output_dir, model, tokenizer, resume):
+    def _setup(self, output_dir, model, tokenizer, resume, current):
+        """(the inputs folder, the model setting): ``current`` (the config's) when ``model``
+        is None."""
         section = getattr(self.config, self.stage)
         if output_dir is not None:
             section.output_dir = str(output_dir)
         inputs = Path(section.output_dir) / "run" / "inputs"
+        if model is None:
+            return inputs, current
         return inputs, I.model_folder(model, tokenizer, inputs / "model", "model", resume)
 
     @property
@@ -250,7 +262,7 @@ class SFTTrainer(_ModelOut):
 
     def __init__(
         self,
-        model="preset:tiny",
+        model=None,
         data=None,
         *,
         tokenizer=None,
@@ -262,7 +274,9 @@ class SFTTrainer(_ModelOut):
     ):
         super().__init__(config, overrides, callbacks, resume)
         cfg = self.config
-        inputs, cfg.model.policy = self._setup(output_dir, model, tokenizer, resume)
+        inputs, cfg.model.policy = self._setup(
+            output_dir, model, tokenizer, resume, cfg.model.policy
+        )
         split = getattr(cfg.data, "split", "train")
         rows = I.rows_file(data, inputs / "sft.jsonl", "data", split, I.sft_row)
         if rows is not None:
@@ -287,7 +301,7 @@ class RewardTrainer(_ModelOut):
 
     def __init__(
         self,
-        model="preset:tiny",
+        model=None,
         pairs=None,
         *,
         tokenizer=None,
@@ -299,7 +313,7 @@ class RewardTrainer(_ModelOut):
     ):
         super().__init__(config, overrides, callbacks, resume)
         cfg = self.config
-        inputs, cfg.rm.init = self._setup(output_dir, model, tokenizer, resume)
+        inputs, cfg.rm.init = self._setup(output_dir, model, tokenizer, resume, cfg.rm.init)
         split = getattr(cfg.data, "split", "train")
         rows = I.rows_file(pairs, inputs / "pairs.jsonl", "pairs", split, I.pair_row)
         if rows is not None:

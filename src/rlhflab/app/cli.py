@@ -155,22 +155,28 @@ def cmd_config(args) -> int:
 
 
 def cmd_ppo(args) -> int:
+    from rlhflab.app.inputs import refuse_resume_without_python_rewards
     from rlhflab.config import load_config
     from rlhflab.trainers.ppo import train
 
     cfg = load_config(args.config, args.overrides)
+    if args.resume:
+        refuse_resume_without_python_rewards(cfg.log.output_dir)
     summary = train(cfg, resume=args.resume)
     print(f"done: {summary['iterations']} iterations, output in {cfg.log.output_dir}")
     return 0
 
 
 def cmd_grpo(args) -> int:
+    from rlhflab.app.inputs import refuse_resume_without_python_rewards
     from rlhflab.config import load_config
     from rlhflab.trainers.ppo import train
 
     # the command names the advantage estimator (ppo.advantage_estimator): one loop for all;
     # its other defaults are the stage's (config.stages.STAGE_DEFAULTS)
     cfg = load_config(args.config, args.overrides, stage=args.command)
+    if args.resume:
+        refuse_resume_without_python_rewards(cfg.log.output_dir)
     summary = train(cfg, resume=args.resume)
     print(f"done: {summary['iterations']} iterations, output in {cfg.log.output_dir}")
     return 0

@@ -91,12 +91,23 @@ def model_folder(model, tokenizer, folder: Path, what: str, reuse: bool) -> str:
     return str(folder)
 
 
-def _write_jsonl(rows: list[dict], path: Path) -> str:
+def _plain(value):
+    """numpy and torch scalars and arrays as the Python values JSON holds."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not a JSON value")
+
+
+def _write_jsonl(rows: list[dict], path: Path, what: str) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with tmp.open("w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        for n, row in enumerate(rows, start=1):
+            try:
+                f.write(json.dumps(row, ensure_ascii=False, default=_plain) + "\n")
+            except (TypeError, ValueError) as exc:
+                tmp.unlink(missing_ok=True)
+                raise ConfigError(f"{what}: item {n}: {exc}") from None
     tmp.replace(path)
     return str(path)
 
@@ -138,7 +149,7 @@ def rows_file(data, path: Path, what: str, split: str, as_row: Callable[[object]
     rows = [as_row(item) for item in data]
     if not rows:
         raise ConfigError(f"{what}: no rows")
-    return _write_jsonl(rows, path)
+    return _write_jsonl(rows, path, what)
 
 
 def prompt_row(item) -> dict:
@@ -260,3 +271,32 @@ def gold_source(cfg: Config, gold) -> CallableReward | None:
         cfg.monitor.gold = spec
         return None
     return CallableReward(gold)
+
+
+PYTHON_REWARDS = "python_rewards.json"
+
+
+def note_python_rewards(run_dir: Path, extra, gold) -> None:
+    """Record in ``RUN/inputs/`` the rewards that only Python could pass (their names), so
+    that a resume from the command line, which cannot bring them, is refused instead of
+    continuing on another objective; removed when there are none."""
+    path = run_dir / "inputs" / PYTHON_REWARDS
+    names = [source.name for source, _ in extra] + ([f"gold {gold.name}"] if gold else [])
+    if not names:
+        path.unlink(missing_ok=True)
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"rewards": names}))
+
+
+def refuse_resume_without_python_rewards(run_dir: str | Path) -> None:
+    """``--resume`` from the command line of a run that a Python caller gave rewards no
+    config can name: refused, naming them."""
+    path = Path(run_dir) / "inputs" / PYTHON_REWARDS
+    if path.is_file():
+        names = json.loads(path.read_text()).get("rewards", [])
+        raise ConfigError(
+            f"--resume: {run_dir} was trained with Python rewards its config.yaml cannot name "
+            f"({', '.join(names)}); resume it from Python, passing them again "
+            "(rlhflab.PPOTrainer(..., resume=True))"
+        )

@@ -17,9 +17,11 @@ import copy
 import logging
 import math
 import os
+import socket
 import subprocess
 import sys
 import warnings
+import zlib
 from pathlib import Path
 
 from rlhflab.config import DEFAULT_SPACES, Config, ConfigError, load_config, validate
@@ -148,6 +150,8 @@ def run_trial(trial, base: dict, space: dict, sweep_dir: Path, stage: str) -> fl
     engine.step_hooks.append(report)
     engine.fit()
     trial.set_user_attr("iterations", len(values))
+    if not values:
+        raise TrainingHalted(f"trial {trial.number}: the run stopped before its first iteration")
     if state["pruned"]:
         raise optuna.TrialPruned(f"pruned at iteration {len(values)}")
     tail = values[-s.last_iterations :]
@@ -157,9 +161,9 @@ def run_trial(trial, base: dict, space: dict, sweep_dir: Path, stage: str) -> fl
     return value
 
 
-def open_study(optuna, storage: str, name: str, cfg: Config, worker: int = 0):
-    """The study (created or continued); worker k samples from seed + k, so parallel
-    workers do not propose the same settings."""
+def open_study(optuna, storage: str, name: str, cfg: Config, worker: int = 0, shared=False):
+    """The study (created or continued), with a TPE sampler whose seed differs per worker,
+    per restart and, on a ``shared`` storage (``--storage``), per machine."""
     s = cfg.sweep
     if storage.startswith(("sqlite", "postgresql", "mysql")):
         # a trial whose process died (kill -9, a lost machine) stops beating and is marked
@@ -174,15 +178,21 @@ def open_study(optuna, storage: str, name: str, cfg: Config, worker: int = 0):
         )
     else:
         pruner = optuna.pruners.NopPruner()
-    sampler = optuna.samplers.TPESampler(seed=cfg.seed + worker, n_startup_trials=s.startup_trials)
-    return optuna.create_study(
+    study = optuna.create_study(
         storage=storage,
         study_name=name,
         direction="maximize",
-        sampler=sampler,
         pruner=pruner,
         load_if_exists=True,
     )
+    # the sampler's stream: a rerun or another machine must not replay the trials already
+    # in the study, so the seed mixes in how many there are (and, for a shared storage,
+    # the machine and process)
+    seed = cfg.seed + 1000 * worker + len(study.get_trials(deepcopy=False))
+    if shared:
+        seed += zlib.crc32(f"{socket.gethostname()}:{os.getpid()}".encode()) % 1_000_000
+    study.sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=s.startup_trials)
+    return study
 
 
 def finished(optuna, study) -> int:
@@ -191,26 +201,25 @@ def finished(optuna, study) -> int:
 
 
 def optimise(study, optuna, total: int, objective) -> None:
-    """Run trials until the study holds ``total`` finished (complete or pruned) ones; a trial
-    whose settings are refused or whose training halts is marked failed and replaced, up to
-    ``total`` failures in a row."""
+    """Run trials, one at a time, until the study holds ``total`` finished (complete or
+    pruned) ones; a trial whose settings are refused or whose training halts is marked
+    failed and replaced, up to ``total`` failed trials in a row."""
     done_cb = optuna.study.MaxTrialsCallback(
         total, states=(optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
     )
-    failures = 0
+    failed = (optuna.trial.TrialState.FAIL,)
+    in_a_row = 0
     while finished(optuna, study) < total:
-        before = finished(optuna, study)
+        before = len(study.get_trials(deepcopy=False, states=failed))
         study.optimize(
-            objective,
-            n_trials=total - before,
-            catch=(ConfigError, TrainingHalted),
-            callbacks=[done_cb],
+            objective, n_trials=1, catch=(ConfigError, TrainingHalted), callbacks=[done_cb]
         )
-        failures = failures + 1 if finished(optuna, study) == before else 0
-        if failures >= max(total, 3):
+        new_failures = len(study.get_trials(deepcopy=False, states=failed)) - before
+        in_a_row = in_a_row + new_failures if new_failures else 0
+        if in_a_row >= max(total, 3):
             raise ConfigError(
-                f"sweep: {failures} rounds without a finished trial; see the failed trials' "
-                "messages in the log (settings the trainer refuses, or training that halts)"
+                f"sweep: {in_a_row} failed trials in a row; see their messages in the log "
+                "(settings the trainer refuses, or training that halts)"
             )
 
 
@@ -276,7 +285,7 @@ def run_sweep(args) -> dict:
     sweep_dir.mkdir(parents=True, exist_ok=True)
     storage = args.storage or f"sqlite:///{(sweep_dir / 'study.db').resolve()}"
     workers = [] if args.worker else _spawn_workers(args, sweep_dir, storage, name)
-    study = open_study(optuna, storage, name, cfg, worker=args.worker)
+    study = open_study(optuna, storage, name, cfg, args.worker, shared=bool(args.storage))
     optimise(study, optuna, args.trials, lambda t: run_trial(t, base, space, sweep_dir, stage))
     for w in workers:
         w.wait()

@@ -114,7 +114,11 @@ def render_answers(
     prompt only): then the cut falls at the longest prefix the generation prompt shares
     with every answer's rendering, so that prompt + answer still equals the whole (TRL
     cuts there too). ``fields`` names each answer's field, ``prompt_field`` the prompt's
-    (errors name them); the caller adds EOS after the answer, as for plain strings.
+    (errors name them); the caller adds EOS after the answer, as for plain strings — so
+    where the template closes the turn with the EOS token itself (ChatML's ``<|im_end|>`` in
+    SmolLM2 and Qwen), that token and what follows it are cut off here: the answer ends
+    with one EOS, as a PPO rollout's does, not with the template's EOS, a newline and
+    another EOS, a position no rollout produces.
     """
     head = render_prompt(prompt, tokenizer, where, prompt_field)
     wholes = [
@@ -122,13 +126,21 @@ def render_answers(
         for a, f in zip(answers, fields)
     ]
     cut = len(os.path.commonprefix([head, *wholes]))
-    texts = [w[cut:] for w in wholes]
+    texts = [_without_final_eos(w[cut:], tokenizer.eos_token) for w in wholes]
     for text, f in zip(texts, fields):
         if not text.strip():
             raise DataError(
                 f"{where}: field '{f}': the chat template renders the answer as nothing"
             )
     return head[:cut], texts
+
+
+def _without_final_eos(text: str, eos: str | None) -> str:
+    """``text`` without a final EOS token (and the whitespace the template puts after it)."""
+    stripped = text.rstrip()
+    if eos and stripped.endswith(eos):
+        return stripped[: -len(eos)]
+    return text
 
 
 def _check_answer(messages: list[dict], where: str, field: str) -> None:

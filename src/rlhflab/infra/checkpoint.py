@@ -212,11 +212,22 @@ def load_weights_into(model, folder: Path) -> None:
     Each tensor is read from the file, copied into the model and dropped before the next
     (``native_models.iter_safetensors``): resuming holds the weights once, not once more
     as a loaded state dict (``load_file`` + ``load_state_dict``: +100 MiB per 25M model).
-    A LoRA adapter (small) goes through peft's own loader, which renames its keys."""
+    A LoRA adapter (small) goes through peft's own loader, which renames its keys. Weights
+    that do not fit the model (a changed config) are a :class:`CheckpointError` naming them."""
     if hasattr(model, "peft_config"):
         from peft import set_peft_model_state_dict
 
-        set_peft_model_state_dict(model, read_weights(folder))
+        # peft loads non-strictly (every base weight is "missing" from an adapter): the
+        # adapter's own keys are checked here, so a checkpoint of other LoRA targets (say
+        # attention-only against all-linear) is refused instead of leaving adapters fresh
+        result = set_peft_model_state_dict(model, read_weights(folder))
+        missing = [k for k in result.missing_keys if "lora_" in k]
+        if result.unexpected_keys or missing:
+            raise CheckpointError(
+                f"{folder}: the adapter does not match the model's LoRA layers (missing "
+                f"{missing[:3]}, unexpected {list(result.unexpected_keys)[:3]}); resume with "
+                "the run's model.lora_targets"
+            )
         return
     files = sorted(folder.glob("*.safetensors"))
     if not files:
@@ -231,7 +242,7 @@ def load_weights_into(model, folder: Path) -> None:
                     unexpected.append(name)
                     continue
                 if target.shape != tensor.shape:
-                    raise RuntimeError(
+                    raise CheckpointError(
                         f"{f}: tensor {name!r} has shape {list(tensor.shape)}, the model's "
                         f"{list(target.shape)}"
                     )
@@ -240,7 +251,7 @@ def load_weights_into(model, folder: Path) -> None:
     tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
     missing = sorted(set(targets) - found - tied)
     if unexpected or missing:
-        raise RuntimeError(
+        raise CheckpointError(
             f"{folder}: weights do not match the model "
             f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
         )

@@ -99,7 +99,8 @@ class RunLoop:
                 self._record(runlog, job.iteration, metrics)
                 if hasattr(bar, "set_postfix") and self.postfix is not None:
                     bar.set_postfix(**self.postfix(metrics))
-                reason = job.stop_reason or _hooks_stop(job, metrics)
+                asked = _hooks_stop(job, metrics)  # every step, the trainer's last one too
+                reason = job.stop_reason or asked
                 if self._checkpoint_due(job, reason):
                     job.save(job.iteration)
                 if reason:
