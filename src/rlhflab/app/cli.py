@@ -9,6 +9,7 @@ on a loss that is not finite) print one clear line and exit with status 2 — ne
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -218,9 +219,12 @@ def cmd_rm(args) -> int:
         print(f"written to {os.path.join(cfg.log.output_dir, 'rm_checks.json')}")
         return 0
     result = train_rm(cfg, args.resume)
-    acc = ", ".join(f"{k} {v:.3f}" for k, v in result["heldout_accuracy"].items())
-    print(f"held-out pairwise accuracy: {acc}; model saved to {result['output_dir']}")
-    print(format_checks(result["heldout_checks"]))
+    for member in result.get("members", [result]):
+        acc = ", ".join(f"{k} {v:.3f}" for k, v in member["heldout_accuracy"].items())
+        print(f"held-out pairwise accuracy: {acc}; model saved to {member['output_dir']}")
+        print(format_checks(member["heldout_checks"]))
+    if "ensemble" in result:
+        print(f"reward.ensemble: {json.dumps(result['ensemble'])}")
     return 0
 
 

@@ -92,6 +92,10 @@ def validate(cfg: Config, stage: str = "ppo", reward_given: bool = False) -> Con
             "'transformers'"
         )
     _check_lora_targets(mc.lora_targets)
+    if stage == "rm" and cfg.rm.length_head and "length" in cfg.rm.heads:
+        raise ConfigError(
+            "rm.heads: 'length' is the head rm.length_head adds (ODIN); name your heads otherwise"
+        )
     if stage in ("sft", "rm") and lora:
         raise ConfigError(
             f"model.lora_r: rlhflab {stage} trains every weight (its folder is the whole "
@@ -160,10 +164,15 @@ def validate(cfg: Config, stage: str = "ppo", reward_given: bool = False) -> Con
         raise ConfigError("model.value_model: 'from_reward' needs reward.model to be set")
     if cfg.model.critic and cfg.model.value_model not in ("separate", "auto"):
         raise ConfigError("model.critic: only used with value_model 'separate'")
-    if not cfg.reward.model and not cfg.reward.functions and not reward_given:
-        raise ConfigError("reward: set reward.model or reward.functions (or both)")
-    if cfg.reward.heads and not cfg.reward.model:
-        raise ConfigError("reward.heads: head weights need reward.model")
+    rw = cfg.reward
+    if rw.model and rw.ensemble:
+        raise ConfigError("reward.ensemble: set either reward.model or reward.ensemble, not both")
+    if len(rw.ensemble) == 1:
+        raise ConfigError("reward.ensemble: one member is no ensemble; set reward.model to it")
+    if not (rw.model or rw.ensemble or rw.functions or reward_given):
+        raise ConfigError("reward: set reward.model, reward.ensemble or reward.functions")
+    if rw.heads and not (rw.model or rw.ensemble):
+        raise ConfigError("reward.heads: head weights need reward.model or reward.ensemble")
     if cfg.ppo.kl_placement == "reward" and cfg.ppo.kl_estimator not in ("k1", "k3", "abs"):
         raise ConfigError(
             f"ppo.kl_estimator: {cfg.ppo.kl_estimator!r} is a loss-side estimator; in the reward "

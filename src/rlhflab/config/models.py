@@ -166,7 +166,9 @@ class RewardConfig:
     heads: dict[str, float] = setting(
         {},
         "Weight of each reward-model head by name (from the model's id2label), combined into "
-        "the scalar the policy optimises. Empty: every head with weight 1.",
+        "the scalar the policy optimises. Empty: every head with weight 1, except a head "
+        "named 'length' (rm.length_head, ODIN), which gets 0: it holds the length preference "
+        "the quality heads were trained free of. A head left out of a non-empty mapping gets 0.",
     )
     functions: dict[str, float] = setting(
         {},
@@ -191,4 +193,42 @@ class RewardConfig:
         "Clip normalised scores to ±clip (MOSS uses 5). None: no clipping.",
         low=0.0,
         low_open=True,
+    )
+    ensemble: list[str] = setting(
+        [],
+        "Reward-model ensemble: k sequence-classification folders with the same heads (e.g. "
+        "`rlhflab rm` with rm.ensemble_size=k: OUT/member-0 … member-k-1). Each member is "
+        "frozen in model.reward_precision and scored as reward.model would be (one "
+        "ModelReward each: k forward passes per batch, k models in memory); each member's "
+        "heads are summed with reward.heads, then combined per answer by ensemble_combine "
+        "(Coste et al., ICLR 2024, 'Reward Model Ensembles Help Mitigate "
+        "Overoptimization'). Logged: objective/ensemble_std, the members' disagreement. "
+        "Not with reward.model. Empty: off.",
+    )
+    ensemble_combine: str = setting(
+        "mean",
+        "How the members' scores become one per answer: 'mean'; 'wco' (worst-case: the "
+        "minimum over members); 'uwo' (uncertainty-weighted: mean − uwo_lambda · variance "
+        "over members). Coste et al. found WCO and UWO curb overoptimisation in best-of-n "
+        "and PPO, mean less so.",
+        choices=("mean", "wco", "uwo"),
+    )
+    uwo_lambda: float = setting(
+        0.5,
+        "λ of ensemble_combine='uwo': the variance penalty's weight, in reward units⁻¹ (the "
+        "variance is in squared score units). Coste et al. tuned it per setting; 0.5 is "
+        "a middle value, not tuned here.",
+        low=0.0,
+    )
+    shaping: str = setting(
+        "none",
+        "RL reward shaping. 'par' (Preference As Reward, Fu et al. 2025, 'Reward Shaping "
+        "to Mitigate Reward Hacking in RLHF'): the reward becomes σ(r − r_ref), r_ref the "
+        "score of the reference policy's answer to the same prompt (bounded: no gain from "
+        "pushing the proxy far past the reference). Cost: one extra generation per "
+        "iteration by the reference (the monitor's reference sampling, shared when "
+        "monitor.reference_every samples that iteration) and one extra reward scoring of "
+        "those answers. Applied after reward.missing_eos_penalty (given to both answers), "
+        "before reward.normalize. 'none': the score as it is.",
+        choices=("none", "par"),
     )

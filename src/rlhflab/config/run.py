@@ -122,6 +122,14 @@ class MonitorConfig:
         None, "Alert above this KL (nats per answer). None: 2 × ppo.kl_target when set, else off."
     )
     entropy_ratio: float | None = setting(0.2, "Alert below this share of the initial entropy.")
+    ensemble_spread: float | None = setting(
+        2.0,
+        "With reward.ensemble: alert when the members' disagreement (objective/ensemble_std) "
+        "is this many times its first iteration's: the policy's answers have left the "
+        "distribution the reward models agree on (Coste et al. 2024). None: no alert.",
+        low=0.0,
+        low_open=True,
+    )
 
 
 @dataclass

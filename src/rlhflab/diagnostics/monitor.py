@@ -22,6 +22,9 @@ Signals (logged as ``monitor/<name>`` every iteration):
   divergence); ``gold``: the batch's mean gold reward.
 * ``kl_excess``: objective/kl / the KL limit (monitor.kl_limit, or 2 × ppo.kl_target).
 * ``entropy_ratio``: policy entropy / its value at the first iteration (collapse when small).
+* ``ensemble_spread``: with reward.ensemble, objective/ensemble_std / its value at the first
+  iteration: the reward models disagree more as the answers leave the distribution they
+  were trained on (Coste et al. 2024).
 
 Each signal has a threshold; crossing it raises an alert, answered by ``monitor.response``:
 ``warn`` (log it), ``raise_kl`` (multiply β by ``monitor.kl_factor``), or ``stop``
@@ -65,6 +68,8 @@ ADVICE = {
     "ppo.kl_coef or improve the reward model",
     "kl_excess": "the policy drifts far from the reference: raise ppo.kl_coef or lower ppo.lr",
     "entropy_ratio": "the policy's entropy collapsed: lower ppo.lr or raise ppo.kl_coef",
+    "ensemble_spread": "the reward models disagree more and more: the answers left their "
+    "training distribution; raise ppo.kl_coef, use reward.ensemble_combine=wco/uwo, or stop",
 }
 
 
@@ -121,6 +126,7 @@ class Alert:
 @dataclass
 class MonitorState:
     initial_entropy: float | None = None
+    initial_spread: float | None = None  # objective/ensemble_std at the first iteration
     gold_ema: float | None = None
     proxy_ema: float | None = None
     best_gold: float = -math.inf
@@ -132,6 +138,7 @@ class MonitorState:
     def state_dict(self) -> dict:
         return {
             "initial_entropy": self.initial_entropy,
+            "initial_spread": self.initial_spread,
             "gold_ema": self.gold_ema,
             "proxy_ema": self.proxy_ema,
             "best_gold": self.best_gold,
@@ -203,6 +210,11 @@ class HackingMonitor:
         if st.initial_entropy is None:
             st.initial_entropy = entropy
         out["entropy_ratio"] = entropy / st.initial_entropy if st.initial_entropy > 0 else 1.0
+        spread = metrics.get("objective/ensemble_std")
+        if spread is not None:
+            if st.initial_spread is None:
+                st.initial_spread = spread
+            out["ensemble_spread"] = spread / st.initial_spread if st.initial_spread > 0 else 1.0
         return out
 
     def thresholds(self) -> dict[str, tuple[float, str]]:
@@ -218,6 +230,7 @@ class HackingMonitor:
             "gold_drop": (mc.gold_drop, "above"),
             "kl_excess": (1.0, "above"),
             "entropy_ratio": (mc.entropy_ratio, "below"),
+            "ensemble_spread": (mc.ensemble_spread, "above"),
         }
 
     def check(self, iteration: int, signals: dict) -> list[Alert]:

@@ -17,7 +17,13 @@ from torch import nn
 
 from rlhflab import models as M
 from rlhflab.config import Config
-from rlhflab.experience.rewards import CompositeReward, FunctionReward, ModelReward
+from rlhflab.experience.ensemble import SCORE, EnsembleReward
+from rlhflab.experience.rewards import (
+    CompositeReward,
+    FunctionReward,
+    ModelReward,
+    default_head_weights,
+)
 from rlhflab.infra.distributed import resolve_device
 from rlhflab.models.build import (
     finish_models,
@@ -78,6 +84,8 @@ class ModelCast:
         for source, _ in self.reward.sources:
             if isinstance(source, ModelReward):
                 out["reward"] = source.model
+            for i, member in enumerate(getattr(source, "members", ())):
+                out[f"reward-{i}"] = member.model  # an ensemble's
         return out
 
 
@@ -88,19 +96,51 @@ def _reward_sources(cfg: Config, tokenizer, device, rm=None, rm_tokenizer=None):
         unknown = [h for h in cfg.reward.heads if h not in names]
         if unknown:
             raise M.ModelLoadError(f"reward.heads: {unknown} not among the model's heads {names}")
-        heads = cfg.reward.heads or {h: 1.0 for h in names}
+        heads = default_head_weights(names, cfg.reward.heads)
         source = ModelReward(
             rm, rm_tokenizer, tokenizer, device=device, micro_batch=cfg.rollout.score_micro_batch
         )
         sources.append((source, {f"rm/{h}": w for h, w in heads.items()}))
+    if cfg.reward.ensemble:
+        sources.append((ensemble_source(cfg, tokenizer, device), {SCORE: 1.0}))
     for spec, weight in cfg.reward.functions.items():
         sources.append((FunctionReward(spec), weight))
     return sources
 
 
+def ensemble_source(cfg: Config, tokenizer, device) -> EnsembleReward:
+    """``reward.ensemble``'s members, each loaded and frozen as ``reward.model`` is (in
+    model.reward_precision, offloaded with model.offload_frozen) and scored by a
+    ModelReward of its own, combined by reward.ensemble_combine."""
+    members, rw, mc = [], cfg.reward, cfg.model
+    for i, folder in enumerate(rw.ensemble):
+        field = f"reward.ensemble[{i}]"
+        rm_tok = load_tokenizer_for(folder, mc, field)
+        rm = load_model(
+            folder,
+            rm_tok,
+            mc,
+            "classifier",
+            field=field,
+            trained=False,
+            precision=mc.reward_precision,
+            trained_head_for=field,
+        )
+        rm = freeze_reward_model(rm, cfg, device, mc.offload_frozen)
+        finish_models(mc, device, frozen=(rm,))
+        micro = cfg.rollout.score_micro_batch
+        members.append(ModelReward(rm, rm_tok, tokenizer, device, micro, name=f"rm{i}"))
+    names = members[0].head_names
+    unknown = [h for h in rw.heads if h not in names]
+    if unknown:
+        raise M.ModelLoadError(f"reward.heads: {unknown} not among the members' heads {names}")
+    weights = default_head_weights(names, rw.heads)
+    return EnsembleReward(members, weights, rw.ensemble_combine, rw.uwo_lambda)
+
+
 def head_weight_vector(rm, heads: dict[str, float]) -> torch.Tensor:
     names = [rm.config.id2label[i] for i in range(rm.config.num_labels)]
-    return torch.tensor([heads.get(n, 0.0) if heads else 1.0 for n in names])
+    return torch.tensor(list(default_head_weights(names, heads).values()))
 
 
 def load_policy_tokenizer(cfg: Config):

@@ -82,6 +82,19 @@ def reward_scores(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return fp32_head(model.score, last_token_hidden(model, ids, mask)).float()
 
 
+# the head rm.length_head adds (ODIN): it holds the length preference, so PPO leaves it out
+LENGTH_HEAD = "length"
+
+
+def default_head_weights(names: list[str], heads: dict[str, float]) -> dict[str, float]:
+    """reward.heads resolved over a model's head ``names``: the named weights (0 for a head
+    left out), or, when ``heads`` is empty, 1 for every head but ``length`` (0: ODIN trains
+    it to absorb the length preference the quality heads are kept free of)."""
+    if heads:
+        return {n: float(heads.get(n, 0.0)) for n in names}
+    return {n: 0.0 if n == LENGTH_HEAD else 1.0 for n in names}
+
+
 class RewardSource(Protocol):
     name: str
 

@@ -1,5 +1,5 @@
 """Online RLHF with PPO's update. :meth:`PPOTrainer.step` reads top to bottom: 1 generate →
-2 score → 3 missing-EOS penalty → 4 score normalisation → 5–7 the estimator that
+2 score → 3 missing-EOS penalty (3b PAR shaping) → 4 score normalisation → 5–7 the estimator that
 ppo.advantage_estimator names (:mod:`rlhflab.core.advantages`: gae with a critic, or the
 group baselines grpo / rloo) → 8 PPO epochs → 9 metrics → 10 KL controller; the run loop
 (:mod:`~.loop`) adds 11, the checkpoint. The trainer holds its parts: :class:`~.ppo_epochs.PPOUpdate`
@@ -36,6 +36,7 @@ from rlhflab.infra.distributed import (
 from rlhflab.trainers.common import load_prompt_set
 from rlhflab.trainers.loop import RunLoop
 from rlhflab.trainers.ppo_epochs import EpochStats, PPOUpdate
+from rlhflab.trainers.ppo_guards import par_scores, penalise_missing_eos
 from rlhflab.trainers.ppo_metrics import (
     METRICS,
     answer_kl,
@@ -174,10 +175,15 @@ class PPOTrainer:
         openers = self.watch.opener_probe(rollout)
         times["time/monitor_probe"] = time.perf_counter() - t0
 
-        # 3. missing-EOS penalty
-        raw_scores = self._penalise_missing_eos(rollout)
+        # 3. missing-EOS penalty; 3b. PAR shaping against the reference's answers (optional)
+        penalty = self.cfg.reward.missing_eos_penalty
+        raw_scores = penalise_missing_eos(rollout.scores, rollout.ended, penalty)
+        scores, shaping = raw_scores, {}
+        if self.cfg.reward.shaping == "par":
+            args = (rollout, raw_scores, self.iteration, penalty)
+            scores, shaping = par_scores(self.cast, self.watch, *args)
         # 4. score normalisation (optional) and clipping
-        scores = self._normalise(raw_scores)
+        scores = self._normalise(scores)
 
         # 5.–7. KL shaping, advantages, whitening: the configured estimator. With the KL
         # in the loss it takes no part in them (zeros stand in for it until step 8 has the
@@ -199,7 +205,9 @@ class PPOTrainer:
 
         # 9. metrics, the same on every rank, then the monitor's reaction to them (9b)
         metrics = self._metrics(rollout, raw_scores, kl, beta, train, adv.metrics, times)
-        metrics = self.ctx.mean_metrics(metrics)  # every rank logs and decides on global means
+        metrics = self.ctx.mean_metrics(
+            metrics | shaping
+        )  # every rank logs and decides on global means
         metrics.update(self.watch.react(rollout, metrics, openers, self.iteration))
         for cb in self.callbacks:
             cb(self, rollout, metrics)
@@ -252,15 +260,6 @@ class PPOTrainer:
         )
         if critic_now:
             self.update.keep_critic_forward(rollout)
-
-    def _penalise_missing_eos(self, rollout: Rollout) -> torch.Tensor:
-        """Step 3: the scores (B,), less reward.missing_eos_penalty where no EOS ended the
-        answer."""
-        scores = rollout.scores.clone()
-        penalty = self.cfg.reward.missing_eos_penalty
-        if penalty is not None:
-            scores = torch.where(rollout.ended, scores, scores - penalty)
-        return scores
 
     def _normalise(self, scores: torch.Tensor) -> torch.Tensor:
         """Step 4: reward.normalize (batch or running, over every rank), then reward.clip."""

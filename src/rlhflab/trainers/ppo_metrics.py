@@ -9,11 +9,18 @@ from __future__ import annotations
 import torch
 
 from rlhflab.core import algorithms as A
+from rlhflab.experience.ensemble import SPREAD
 from rlhflab.experience.rollout import Rollout
 
 METRICS = {
     "objective/scores": "mean combined score after the missing-EOS penalty, before normalisation",
     "objective/scores/<name>": "mean of each reward component (each head, each function)",
+    "objective/ensemble_std": "reward.ensemble: batch mean of the members' per-answer std "
+    "of their weighted head sums (disagreement; monitor.ensemble_spread watches its growth)",
+    "objective/reference_scores": "reward.shaping=par: mean score of the reference's answers "
+    "to the batch's prompts (after the missing-EOS penalty)",
+    "objective/shaped_scores": "reward.shaping=par: mean of σ(score − reference score), the "
+    "RL reward before normalisation",
     "objective/kl": "KL to the reference: batch mean of Σ_t (logp_old − logp_ref) (k1, nats "
     "per answer; OAI19)",
     "objective/kl_k3": "the same KL with the k3 estimator, never negative (a negative "
@@ -82,6 +89,11 @@ def iteration_metrics(
     return {
         "objective/scores": raw_scores.mean().item(),
         **{f"objective/scores/{k}": v.mean().item() for k, v in ro.components.items()},
+        **(
+            {"objective/ensemble_std": ro.components[SPREAD].mean().item()}
+            if SPREAD in ro.components
+            else {}
+        ),
         "objective/kl": seq_kl.mean().item(),
         "objective/kl_k3": torch.where(mask, k3, 0.0).sum(1).mean().item(),
         "objective/kl_coef": beta,

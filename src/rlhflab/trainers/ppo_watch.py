@@ -44,6 +44,7 @@ class PPOWatch:
             if gold is None and cfg.monitor.gold:
                 gold = FunctionReward(cfg.monitor.gold)
             self.monitor = HackingMonitor(cfg.monitor, gold, cfg.ppo.kl_target)
+        self._reference: tuple[int, Rollout] | None = None  # (iteration, its answers)
         self.kl_sign_warned = False
         self.stop_reason: str | None = None  # set by monitor.response=stop
 
@@ -66,6 +67,30 @@ class PPOWatch:
                 lp = opener_logprobs(model, tok, *args, micro, mc.opener_tokens)
             out.append(self.ctx.all_gather_cat(lp))
         return tuple(out)
+
+    def reference_rollout(self, rollout: Rollout, iteration: int) -> Rollout:
+        """The reference policy's answers to ``rollout``'s prompts at ``iteration``, sampled
+        once however many users ask (the monitor's length and flattery baselines,
+        reward.shaping=par), from the monitor's own random stream."""
+        if self._reference is not None and self._reference[0] == iteration:
+            return self._reference[1]
+        r = self.cfg.rollout
+        ref = generate_rollout(
+            self.cast.reference,
+            self.cast.tokenizer,
+            rollout.prompts,
+            r.max_new_tokens,
+            r.temperature,
+            r.top_k,
+            r.top_p,
+            self.generator,
+            self.cast.device,
+            all_done=self.all_done,
+            ignore_eos=r.ignore_eos,
+            autocast=self.cast.reference_autocast,
+        )
+        self._reference = (iteration, ref)
+        return ref
 
     def check_kl_sign(self, seq_kl: torch.Tensor) -> None:
         """Warn once a run when the global batch's per-answer k1 KL (B,) is significantly
@@ -99,24 +124,10 @@ class PPOWatch:
         the configured reaction; the ``monitor/`` metrics (none with the monitor off)."""
         if self.monitor is None:
             return {}
-        mc, r = self.cfg.monitor, self.cfg.rollout
-        it = iteration + 1
+        mc, it = self.cfg.monitor, iteration + 1
         ref = None
         if mc.reference_every and it % mc.reference_every == 0:
-            ref = generate_rollout(
-                self.cast.reference,
-                self.cast.tokenizer,
-                rollout.prompts,
-                r.max_new_tokens,
-                r.temperature,
-                r.top_k,
-                r.top_p,
-                self.generator,
-                self.cast.device,
-                all_done=self.all_done,
-                ignore_eos=r.ignore_eos,
-                autocast=self.cast.reference_autocast,
-            )
+            ref = self.reference_rollout(rollout, iteration)
         signals = self.monitor.signals(rollout, metrics, ref, openers)
         signals = self.ctx.mean_metrics(signals)
         alerts = self.monitor.check(it, signals)

@@ -9,6 +9,7 @@ length-bias checks (``rlhflab.diagnostics.rm_checks``) written to ``rm_checks.js
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -20,11 +21,19 @@ import torch
 
 from rlhflab.builtin import tasks
 from rlhflab.config import Config, ConfigError
+from rlhflab.core import guards as G
 from rlhflab.core import losses as L
 from rlhflab.diagnostics.rm_checks import gold_warning, length_warning, reward_checks
 from rlhflab.experience.cast import load_frozen_reward_model, load_reward_tokenizer
 from rlhflab.experience.data import DataError, PreferencePair, load_preferences, source_name
-from rlhflab.experience.rewards import FunctionReward, RewardBatch, encode_for_reward, reward_scores
+from rlhflab.experience.rewards import (
+    LENGTH_HEAD,
+    FunctionReward,
+    RewardBatch,
+    default_head_weights,
+    encode_for_reward,
+    reward_scores,
+)
 from rlhflab.infra.distributed import resolve_device
 from rlhflab.models.build import finish_models, load_model, load_tokenizer_for, to_trained
 from rlhflab.trainers.supervised import SupervisedTrainer
@@ -83,20 +92,39 @@ def score_pairs(model, tokenizer, pairs: list[PreferencePair], device) -> torch.
     return reward_scores(model, ids.to(device), mask.to(device))
 
 
-def pair_loss(model, tokenizer, pairs, targets, weights, margin, device):
-    """Weighted soft Bradley-Terry loss over heads; also returns the (N, K) score gaps."""
+def answer_lengths(tokenizer, pairs: list[PreferencePair]) -> torch.Tensor:
+    """(2N,) answer lengths in tokens, chosen answers then rejected (score_pairs' order)."""
+    answers = [p.chosen for p in pairs] + [p.rejected for p in pairs]
+    return torch.tensor([len(tokenizer(a, add_special_tokens=False)["input_ids"]) for a in answers])
+
+
+def pair_loss(model, tokenizer, pairs, targets, weights, margin, device, odin=None):
+    """Weighted soft Bradley-Terry loss over heads; also returns the (N, K) score gaps.
+
+    ``odin``: None, or (length head index, correlation-loss weight, orthogonality weight)
+    for rm.length_head: each other head's Bradley-Terry loss is then on its score plus the
+    length head's (ODIN: the sum is ranked, so the length preference can flow into the
+    length head), and ODIN's correlation and orthogonality losses are added."""
     scores = score_pairs(model, tokenizer, pairs, device)
     n = len(pairs)
+    ranked = scores if odin is None else scores + scores[:, odin[0] : odin[0] + 1]
     diff = scores[:n] - scores[n:]
     total = diff.new_zeros(())
     for k in range(diff.shape[1]):
         has = ~torch.isnan(targets[:, k])
         if has.any():
             loss_k = L.pairwise_reward_loss(
-                scores[:n][has, k], scores[n:][has, k], margin, labels=targets[has, k].to(device)
+                ranked[:n][has, k], ranked[n:][has, k], margin, labels=targets[has, k].to(device)
             )
             total = total + weights[k] * loss_k
-    return total / sum(weights), diff.detach()
+    total = total / sum(weights)
+    if odin is not None:
+        li, length_w, orth_w = odin
+        quality = torch.cat([scores[:, :li], scores[:, li + 1 :]], 1)
+        lengths = answer_lengths(tokenizer, pairs).to(device)
+        total = total + length_w * G.odin_length_loss(quality, scores[:, li], lengths)
+        total = total + orth_w * G.head_orthogonality_loss(model.score.weight, li)
+    return total, diff.detach()
 
 
 @torch.no_grad()
@@ -139,7 +167,7 @@ def heldout_checks(
         h: reward_checks(chosen[:, k], rejected[:, k], targets[:, k], *answer_len)
         for k, h in enumerate(heads)
     }
-    weights = torch.tensor([reward_heads.get(h, 0.0) if reward_heads else 1.0 for h in heads])
+    weights = torch.tensor(list(default_head_weights(heads, reward_heads).values()))
     label = targets[:, heads.index("preference")] if "preference" in heads else None
     out["reward"] = reward_checks(chosen @ weights, rejected @ weights, label, *answer_len)
     if gold:
@@ -241,8 +269,19 @@ def format_checks(checks: dict[str, dict[str, float]]) -> str:
 
 def train_rm(cfg: Config, resume: bool = False) -> dict:
     """``rlhflab rm``: train, write the model to ``rm.output_dir``, check it on the held-out
-    pairs, summarise."""
-    return run_rm(rm_trainer(cfg), resume)
+    pairs, summarise. With rm.ensemble_size=k, k models one after another, member i in
+    ``rm.output_dir``/member-i with seed + i; the result is member 0's with ``members``
+    (every member's result) and ``ensemble`` (their folders, for reward.ensemble)."""
+    k = cfg.rm.ensemble_size
+    if k == 1:
+        return run_rm(rm_trainer(cfg), resume)
+    members = []
+    for i in range(k):
+        member = copy.deepcopy(cfg)
+        member.seed = cfg.seed + i
+        member.rm.output_dir = str(Path(cfg.rm.output_dir) / f"member-{i}")
+        members.append(run_rm(rm_trainer(member), resume))
+    return {**members[0], "members": members, "ensemble": [m["output_dir"] for m in members]}
 
 
 def rm_trainer(cfg: Config) -> SupervisedTrainer:
@@ -254,6 +293,8 @@ def rm_trainer(cfg: Config) -> SupervisedTrainer:
     heads = list(r.heads)
     if not heads:
         raise ConfigError("rm.heads: at least one head is needed")
+    odin = (len(heads), r.length_loss_weight, r.orthogonal_weight) if r.length_head else None
+    all_heads = heads + [LENGTH_HEAD] if r.length_head else heads
     init = r.init or cfg.model.policy
     tokenizer = load_tokenizer_for(init, cfg.model, "rm.init")  # renders chat rows
     # the data is read before the model is loaded: a bad row is reported in seconds
@@ -261,12 +302,12 @@ def rm_trainer(cfg: Config) -> SupervisedTrainer:
     # a causal LM (the SFT model) legitimately starts here with a fresh head; fp32 whatever
     # the folder's dtype: these are the trained weights
     model = load_model(
-        init, tokenizer, cfg.model, "classifier", field="rm.init", num_labels=len(heads)
+        init, tokenizer, cfg.model, "classifier", field="rm.init", num_labels=len(all_heads)
     )
     finish_models(cfg.model, device, trained=(model,))
     model = to_trained(model, device, "the reward model")
-    model.config.id2label = dict(enumerate(heads))
-    model.config.label2id = {h: i for i, h in enumerate(heads)}
+    model.config.id2label = dict(enumerate(all_heads))
+    model.config.label2id = {h: i for i, h in enumerate(all_heads)}
     if pairs is None:
         pairs = builtin_pairs(cfg)
     where = source_name(r.data, cfg.data.split) if r.data else "the built-in pairs"
@@ -275,15 +316,19 @@ def rm_trainer(cfg: Config) -> SupervisedTrainer:
         raise DataError(f"{where}: too few pairs to hold out {len(held)} and still train")
     train_t, held_t = head_targets(train, heads, where), head_targets(held, heads, where)
     weights = [r.heads[h] for h in heads]
+    if odin is not None:  # the length head has no label of its own: trained through the sums
+        train_t, held_t = (
+            torch.cat([t, torch.full((len(t), 1), math.nan)], 1) for t in (train_t, held_t)
+        )
+        weights.append(0.0)
 
     def batch_loss(idx: list[int]) -> torch.Tensor:
-        loss, _ = pair_loss(
-            model, tokenizer, [train[i] for i in idx], train_t[idx], weights, r.margin, device
-        )
+        batch = [train[i] for i in idx]
+        loss, _ = pair_loss(model, tokenizer, batch, train_t[idx], weights, r.margin, device, odin)
         return loss
 
     trainer = SupervisedTrainer(cfg, "rm", model, tokenizer, len(train), batch_loss)
-    trainer.heldout = SimpleNamespace(pairs=held, targets=held_t, heads=heads, total=len(pairs))
+    trainer.heldout = SimpleNamespace(pairs=held, targets=held_t, heads=all_heads, total=len(pairs))
     trainer.device = device
     return trainer
 

@@ -1,0 +1,146 @@
+"""Do the reward guards of issue #29 keep the `hacking` demo from hacking its reward?
+
+For each seed: SFT once, then the reward models (an ensemble of ``--ensemble-size``
+members trained by ``rlhflab rm`` with rm.ensemble_size, member 0 being the plain reward
+model, and one with rm.length_head), then one PPO run of the ``hacking`` preset per guard:
+
+* ``plain``: reward.model = member 0 (the demo's reward model);
+* ``wco`` / ``uwo``: reward.ensemble = every member, reward.ensemble_combine = wco / uwo;
+* ``par``: member 0 with reward.shaping = par;
+* ``odin``: the length-head reward model (its ``length`` head weight 0).
+
+Per run: ``final gold``, the gold reward of the final policy on ``--eval-prompts`` held-out
+prompts (one sampled answer each, diagnostics.evaluate), and ``gold drop``, the best minus
+the final of the training batches' gold reward (monitor/gold, 64 answers an iteration) as
+a trailing 3-iteration moving mean (one batch moves ±0.08). The last lines, one pair per
+guard, are ``final gold <guard>: X ± s`` and ``gold drop <guard>: Y ± s`` (mean ± sample
+std over seeds; ± 0 with one seed). Run folders are reused: a finished stage is not rerun.
+
+Usage (2 cores: untimed, estimated 20–30 minutes a seed; run nothing else alongside)::
+
+    python benchmarks/hacking_guards.py --seeds 3 --out runs/guards
+
+Smallest check that it works (a few minutes)::
+
+    python benchmarks/hacking_guards.py --seeds 1 --iterations 2 --eval-prompts 32 \
+        --ensemble-size 2 --set sft.steps=20 rm.steps=10 rm.pairs=200 \
+        rollout.prompts_per_iteration=16 --out runs/guards-smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+from pathlib import Path
+
+GUARDS = ("plain", "wco", "uwo", "par", "odin")
+
+
+def guard_overrides(guard: str, run: Path, k: int) -> list[str]:
+    members = [str(run / "rm" / f"member-{i}") for i in range(k)]
+    ensemble = ["reward.model=null", f"reward.ensemble={json.dumps(members)}"]
+    return {
+        "plain": [f"reward.model={members[0]}"],
+        "wco": ensemble + ["reward.ensemble_combine=wco"],
+        "uwo": ensemble + ["reward.ensemble_combine=uwo"],
+        "par": [f"reward.model={members[0]}", "reward.shaping=par"],
+        "odin": [f"reward.model={run / 'rm-odin'}"],
+    }[guard]
+
+
+def smoothed_drop(gold: list[float], window: int = 3) -> float:
+    """Best minus final of the trailing ``window``-iteration moving mean of ``gold``."""
+    smooth = [statistics.mean(gold[max(0, i - window + 1) : i + 1]) for i in range(len(gold))]
+    return max(smooth) - smooth[-1]
+
+
+def prepare(seed: int, args) -> tuple[Path, object]:
+    """SFT and the reward models of one seed (reused when their folders exist)."""
+    from rlhflab.app.demo import _COMMON, demo_config
+    from rlhflab.config import load_config
+    from rlhflab.trainers.rm import train_rm
+    from rlhflab.trainers.sft import train_sft
+
+    run, cfg = demo_config("hacking", seed, args.out, args.set + ["log.progress=false"])
+    run.mkdir(parents=True, exist_ok=True)
+    if not (run / "sft" / "config.json").exists():
+        sft_cfg = load_config(base=_COMMON, overrides=[f"seed={seed}"], stage="sft")
+        sft_cfg.sft, sft_cfg.log = cfg.sft, cfg.log
+        train_sft(sft_cfg)
+    if not (run / "rm" / f"member-{args.ensemble_size - 1}" / "config.json").exists():
+        ens = copy.deepcopy(cfg)
+        ens.rm.ensemble_size = args.ensemble_size
+        train_rm(ens)
+    if not (run / "rm-odin" / "config.json").exists():
+        odin = copy.deepcopy(cfg)
+        odin.rm.length_head, odin.rm.output_dir = True, str(run / "rm-odin")
+        train_rm(odin)
+    return run, cfg
+
+
+def run_guard(guard: str, seed: int, run: Path, args) -> dict:
+    from rlhflab.app.demo import demo_config
+    from rlhflab.diagnostics.evaluate import evaluate_policy, heldout_prompts
+    from rlhflab.infra.runlog import read_jsonl
+    from rlhflab.trainers.ppo import PPOTrainer
+
+    extra = args.set + ["log.progress=false", f"log.output_dir={run / f'ppo-{guard}'}"]
+    extra += guard_overrides(guard, run, args.ensemble_size)
+    if args.iterations:
+        extra.append(f"ppo.iterations={args.iterations}")
+    _, cfg = demo_config("hacking", seed, args.out, extra)
+    trainer = PPOTrainer(cfg)
+    trainer.fit()
+    gold = [row["monitor/gold"] for row in read_jsonl(Path(cfg.log.output_dir) / "metrics.jsonl")]
+    prompts = heldout_prompts(args.eval_prompts, seed)
+    policy = trainer.cast.policy_lm
+    final = evaluate_policy(
+        policy,
+        trainer.cast.reference,
+        trainer.cast.tokenizer,
+        prompts,
+        reward=trainer.cast.reward,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        seed=seed,
+        device=trainer.device,
+    )
+    return {
+        "guard": guard,
+        "seed": seed,
+        "final_gold": final["gold"],
+        "gold_drop": smoothed_drop(gold),
+    }
+
+
+def mean_std(xs: list[float]) -> str:
+    return f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs) if len(xs) > 1 else 0.0:.3f}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--seeds", type=int, default=3, help="seeds 0 … N−1 (default 3)")
+    p.add_argument("--guards", nargs="+", default=list(GUARDS), choices=GUARDS)
+    p.add_argument("--iterations", type=int, default=None, help="ppo.iterations (preset: 50)")
+    p.add_argument("--ensemble-size", type=int, default=3, help="reward models in the ensemble")
+    p.add_argument("--eval-prompts", type=int, default=512, help="held-out prompts per policy")
+    p.add_argument("--set", nargs="*", default=[], help="extra config overrides KEY=VALUE")
+    p.add_argument("--out", default="runs/guards", help="run folders go here")
+    args = p.parse_args()
+    rows = []
+    for seed in range(args.seeds):
+        run, _ = prepare(seed, args)
+        for guard in args.guards:
+            row = run_guard(guard, seed, run, args)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "hacking_guards.json").write_text(json.dumps(rows, indent=2))
+    for key, label in (("final_gold", "final gold"), ("gold_drop", "gold drop")):
+        for guard in args.guards:
+            print(f"{label} {guard}: {mean_std([r[key] for r in rows if r['guard'] == guard])}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""Step 3 of a PPO iteration and its optional 3b: the missing-EOS penalty, and PAR reward
+shaping (reward.shaping=par; Fu et al. 2025, "Reward Shaping to Mitigate Reward Hacking
+in RLHF") against the reference policy's answers to the same prompts.
+
+The reference's answers come from :meth:`~.ppo_watch.PPOWatch.reference_rollout` (the
+monitor's reference sampling, shared with it in iterations where it samples too); the
+shaping itself is :func:`rlhflab.core.guards.par_shape`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlhflab.core import guards as G
+from rlhflab.experience.rewards import RewardBatch
+from rlhflab.experience.rollout import Rollout
+
+
+def penalise_missing_eos(scores: torch.Tensor, ended: torch.Tensor, penalty) -> torch.Tensor:
+    """Step 3: ``scores`` (B,) less ``penalty`` (reward.missing_eos_penalty; None: off) where
+    ``ended`` (B,) bool says no EOS ended the answer; a new tensor."""
+    scores = scores.clone()
+    if penalty is not None:
+        scores = torch.where(ended, scores, scores - penalty)
+    return scores
+
+
+@torch.no_grad()
+def par_scores(cast, watch, rollout: Rollout, scores: torch.Tensor, iteration: int, penalty):
+    """Step 3b: (σ(r − r_ref) (B,), its metrics). ``scores`` (B,): the policy's answers'
+    scores after the missing-EOS penalty; r_ref: the reference's answer to the same prompt,
+    scored by the same reward and given the same penalty."""
+    ref = watch.reference_rollout(rollout, iteration)
+    batch = RewardBatch(ref.prompts, ref.responses, ref.sequences, ref.attention_mask, ref.ended)
+    ref_scores = cast.reward(batch).score.to(scores.device)
+    ref_scores = penalise_missing_eos(ref_scores, ref.ended.to(scores.device), penalty)
+    shaped = G.par_shape(scores, ref_scores)
+    return shaped, {
+        "objective/reference_scores": ref_scores.mean().item(),
+        "objective/shaped_scores": shaped.mean().item(),
+    }
