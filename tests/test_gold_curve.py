@@ -44,9 +44,7 @@ def test_fit_is_the_float64_least_squares_solution_on_noisy_data():
     d = [rng.uniform(0, 2.5) for _ in range(60)] + [0.0]
     gold = [0.3 + _gain(x, 0.5, 0.35) + rng.gauss(0, 0.05) for x in d]
     # the reference: an explicit design matrix solved by torch's float64 least squares
-    X = torch.tensor(
-        [[1.0, x, -x * math.log(x) if x > 0 else 0.0] for x in d], dtype=torch.float64
-    )
+    X = torch.tensor([[1.0, x, -x * math.log(x) if x > 0 else 0.0] for x in d], dtype=torch.float64)
     sol = torch.linalg.lstsq(X, torch.tensor(gold, dtype=torch.float64)[:, None]).solution
     g0, alpha, beta = sol.flatten().tolist()
     fit = fit_gao(d, gold)
