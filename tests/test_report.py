@@ -224,3 +224,27 @@ def test_report_finds_the_reward_model_checks_from_any_directory(tmp_path, monke
         monkeypatch.chdir(cwd)
         text = build_report(run).read_text(encoding="utf-8")
         assert "<td>reward</td><td>0.800</td>" in text, cwd
+
+
+def test_demo_summary_names_the_final_and_the_best_policy():
+    from rlhflab.app.demo import format_summary
+
+    row = {"gold": 0.4, "proxy": 2.0, "accuracy": 0.5, "kl_to_reference": 1.0}
+    story = {"best": 0.62, "best_iteration": 27, "final": 0.53, "fell": True}
+    story["fit"] = {"peak": {"kl": 1.72}, "final_kl": 1.8}
+    summary = {
+        "preset": "default",
+        "seed": 0,
+        "sft": {**row, "gold": 0.3},
+        "ppo": row,
+        "ppo_best": {**row, "gold": 0.45},
+        "evaluated": {"ppo": "the final policy (iteration 40)", "ppo_best": "checkpoints/best"},
+        "gold_curve": story,
+        "rm": {"heldout_accuracy": {"preference": 0.8}},
+        "timing": {"total": 100.0},
+    }
+    text = format_summary(summary)
+    assert re.search(r"^ppo_best +0\.450", text, re.M)
+    assert "  ppo: the final policy (iteration 40)" in text
+    assert "best 0.620 at iteration 27, 0.530 at the end (a significant fall)" in text
+    assert "gold peaks near KL 1.72; the run ended at KL 1.80" in text

@@ -54,8 +54,11 @@ def _thresholds(config: dict) -> dict[str, tuple[float, str]]:
 
 # Long (about 90 lines) because it is the list of charts in the order the page shows them,
 # grouped under headings; each chart is one Chart(...) call.
-def curve_groups(rows: list[dict], alerts: list[dict], config: dict) -> list[tuple[str, list]]:
-    """[(heading, [Chart])]: every logged curve, grouped, in reading order."""
+def curve_groups(
+    rows: list[dict], alerts: list[dict], config: dict, best: int | None = None
+) -> list[tuple[str, list]]:
+    """[(heading, [Chart])]: every logged curve, grouped, in reading order; ``best``: the
+    iteration of the best smoothed gold, marked on the gold chart."""
     smooth = float((config.get("monitor") or {}).get("smoothing", 0.8))
     heads = sorted({k for r in rows for k in r if k.startswith("objective/scores/")})
     weights = S.head_weights(config, [h.removeprefix("objective/scores/") for h in heads])
@@ -87,6 +90,7 @@ def curve_groups(rows: list[dict], alerts: list[dict], config: dict) -> list[tup
             "gold reward",
             alerts=[a["iteration"] for a in alerts if a["signal"] == "gold_drop"],
             smooth=smooth,
+            marks=[(best, f"best (smoothed): iteration {best}")] if best else [],
         ),
     ]
     kl = [
@@ -303,7 +307,8 @@ def build_report(run_dir: str | Path) -> Path:
         sections.append(("overopt", "Over-optimisation"))
         body.append(over)
     curves = []
-    for i, (heading, charts) in enumerate(curve_groups(rows, alerts, config)):
+    best = story.get("best_iteration") if story else None
+    for i, (heading, charts) in enumerate(curve_groups(rows, alerts, config, best)):
         drawn = [c.html() for c in charts]
         if any(drawn):
             curves.append(f"<h3 id='c{i}'>{html.escape(heading)}</h3><div class='g'>")

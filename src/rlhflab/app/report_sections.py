@@ -162,6 +162,12 @@ def _answer(who: str, row: dict, weights: dict, kl: float | None = None) -> str:
     )
 
 
+def _span(its: list[int]) -> str:
+    if len(its) == 1:
+        return f"Iteration {its[0]}"
+    return f"Iterations {its[0]}–{its[-1]} ({len(its)} logged)"
+
+
 def samples_section(samples: list[dict], config: dict) -> str:
     """Sample answers with their proxy score and its parts, gold reward and KL, beside the
     reference's answer to the same prompt where the run sampled it: the first and last
@@ -193,8 +199,7 @@ def samples_section(samples: list[dict], config: dict) -> str:
     out = head + block(its[0])
     if between:
         out += (
-            f"<details><summary>Iterations {between[0]}–{between[-1]} "
-            f"({len(between)} logged)</summary>"
+            f"<details><summary>{_span(between)}</summary>"
             + "".join(block(it) for it in between)
             + "</details>"
         )
