@@ -190,7 +190,7 @@ def test_report_says_at_a_glance_how_the_run_went(tmp_path, monkeypatch):
     assert "set log.keep_best to keep it" in verdict
     assert "1 monitor alert</b>, the first at iteration 31 (length_ratio)" in verdict
     assert "Final KL</b> to the reference: 1.950" in verdict
-    assert "Held-out evaluation" in verdict and "gold peaks near KL" in verdict
+    assert "Held-out evaluation" in verdict and "40 noisy batches): gold peaks near KL" in verdict
     # the curves the issue found missing, and the heads outside the objective apart
     for title in ("Policy loss", "approx KL", "Learning rate", "Sampling throughput"):
         assert f"<figcaption>{title}" in text

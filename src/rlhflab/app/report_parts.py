@@ -108,8 +108,9 @@ def verdict(rows: list[dict], alerts: list[dict], story: dict, summary: dict | N
         pk = fit["peak"]
         where = "past" if fit["past_peak"] else "before"
         facts.append(
-            f"<b>Over-optimisation fit</b> (Gao et al. 2022): gold peaks near KL "
-            f"{pk['kl']:.2f} nats; the run ended at KL {fit['final_kl']:.2f}, {where} it"
+            f"<b>Over-optimisation fit</b> (Gao et al. 2022, to {fit['points']} noisy "
+            f"batches): gold peaks near KL {pk['kl']:.2f} nats; the run ended at KL "
+            f"{fit['final_kl']:.2f}, {where} it"
         )
     if story and story["fell"]:
         keep = (
