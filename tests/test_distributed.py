@@ -328,3 +328,16 @@ def test_a_user_error_on_two_ranks_is_said_once_without_a_traceback(tmp_path):
     # no traceback through rlhflab's code (torchrun's own report of a failed child may follow)
     assert not any('File "' in ln and "rlhflab/" in ln for ln in done.stderr.splitlines())
     assert "terminate called" not in done.stderr
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_keep_best_saves_on_every_rank_together(tmp_path, strategy):
+    """log.keep_best decides on the gold reward averaged over ranks, so every rank joins
+    the collective save of checkpoints/best at the same iteration (else the run hangs)."""
+    run = tmp_path / strategy
+    gold = "monitor.gold=rlhflab.builtin.toy_rewards:vowel_reward"
+    torchrun(2, "run", str(run), f"dist.strategy={strategy}", gold, "ppo.iterations=3")
+    story = json.loads((run / "run.json").read_text())["gold"]
+    state = torch.load(run / "checkpoints" / "best" / "state.pt", weights_only=True)
+    assert state["world"] == 2 and state["iteration"] == story["best_iteration"] - 1
+    assert story["best_checkpoint"] == str(run / "checkpoints" / "best")

@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from rlhflab.app.report import build_report, line_chart
+from rlhflab.app.charts import Chart, Series
+from rlhflab.app.report import build_report
 from rlhflab.config import load_config
 from rlhflab.diagnostics.monitor import HackingMonitor, distinct_n, pearson, repeated_ngram_rate
 from rlhflab.experience.rollout import Rollout
@@ -116,16 +117,18 @@ def test_report_is_self_contained_html_with_curves_alerts_and_samples(tmp_path):
     PPOTrainer(tiny_cfg(tmp_path, "monitor.entropy_ratio=10")).fit()
     path = build_report(tmp_path / "run")
     text = path.read_text()
-    assert text.count("<svg") >= 10
-    assert "monitor: entropy_ratio" in text and "stroke-dasharray" in text
-    assert "<h2>Alerts</h2><table>" in text and "<h2>Samples</h2><table>" in text
+    assert text.count('<svg class="pl"') >= 10
+    assert "Monitor: entropy_ratio" in text and "threshold 10 (alert below)" in text
+    assert "<h2 id='alerts'>Alerts</h2><div class=\"tw\"><table>" in text
+    assert "<h2 id='samples'>Samples</h2>" in text and "reference, same prompt" in text
     assert "http://" not in text and "https://" not in text and "<script" not in text
 
 
-def test_line_chart_skips_non_finite_points():
-    svg = line_chart("x", {"a": [(1, 1.0), (2, float("nan")), (3, 2.0)]}, alerts=[2], threshold=1.5)
-    assert svg.startswith("<svg") and "nan" not in svg
-    assert line_chart("empty", {"a": [(1, None)]}) == ""
+def test_chart_skips_non_finite_points():
+    points = [(1, 1.0), (2, float("nan")), (3, 2.0)]
+    fig = Chart("x", [Series("a", points)], "u", alerts=[2], threshold=(1.5, "above")).html()
+    assert fig.startswith("<figure") and "nan" not in fig
+    assert Chart("empty", [Series("a", [(1, None)])], "u").html() == ""
 
 
 def test_opener_logprobs_match_a_plain_loop_over_prompts_and_spellings():
@@ -206,8 +209,9 @@ def test_report_shows_the_reward_models_checks_and_their_warning(tmp_path):
         )
     )
     text = build_report(run).read_text()
-    assert "<h2>Reward model checks</h2>" in text and "<td>0.750</td>" in text
+    assert "<h2 id='rm'>Reward model checks</h2>" in text and "<td>0.750</td>" in text
     assert "prefers the longer answer in 75%" in text and "<td>-</td>" in text
     assert "agrees with the gold reward on 50%" in text
-    (rm / "rm_checks.json").unlink()  # a reward model from before the checks: no section
-    assert "Reward model checks" not in build_report(run).read_text()
+    (rm / "rm_checks.json").unlink()  # a reward model from before the checks: where looked
+    text = build_report(run).read_text()
+    assert "No rm_checks.json" in text and str(rm / "rm_checks.json") in text

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from rlhflab.app.tables import COMPARE_COLUMNS
+from rlhflab.app.tables import COMPARE_COLUMNS, cell
 from rlhflab.config import Config, validate
 from rlhflab.config import base as configbase
 
@@ -157,11 +157,7 @@ def run_compare(
 
 
 def format_row(r: dict) -> str:
-    return (
-        f"| {r['method']} | "
-        + " | ".join(f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in COLUMNS)
-        + " |"
-    )
+    return f"| {r['method']} | " + " | ".join(cell(c, r[c]) for c in COLUMNS) + " |"
 
 
 def format_table(table: dict) -> str:

@@ -4,6 +4,12 @@
 evaluates the SFT and PPO policies on held-out prompts, against the gold reward (correct,
 concise, no filler) and the proxy reward (the reward model PPO optimised). The result is a
 table on the terminal and ``runs/<preset>-s<seed>/summary.json``.
+
+"ppo" is the final policy, what a user without a gold reward would ship. The demo has a
+gold reward, so PPO also keeps the policy whose smoothed gold was best during training
+(``log.keep_best``: ``checkpoints/best``), and that one is evaluated too, as "ppo_best": the
+gold reward often peaks before the last iteration (over-optimisation), and the two rows
+show by how much. Its training-time gold picked it, its held-out prompts did not.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from rlhflab.app.tables import DEMO_COLUMNS
 from rlhflab.config import load_config
 from rlhflab.diagnostics.evaluate import evaluate_policy, heldout_prompts
 from rlhflab.experience.cast import load_frozen_policy
+from rlhflab.infra.runinfo import read_run_info
+from rlhflab.infra.runs import load_policy
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +152,11 @@ def run_demo(
         "sft": evaluate_policy(sft_model, sft_model, tok, prompts, **kw),
         "ppo": evaluate_policy(trainer.cast.policy_lm, sft_model, tok, prompts, **kw),
     }
+    gold_curve = (read_run_info(cfg.log.output_dir) or {}).get("gold")
+    if trainer.watch.keep_best and (Path(cfg.log.output_dir) / "checkpoints" / "best").is_dir():
+        # read back as `rlhflab export --checkpoint best` reads it
+        best = load_policy(cfg.log.output_dir, checkpoint="best", device=trainer.device)
+        results["ppo_best"] = evaluate_policy(best.lm, sft_model, tok, prompts, **kw)
     timing["eval"] = time.perf_counter() - t0
     timing["total"] = time.perf_counter() - t_all
 
@@ -151,6 +164,16 @@ def run_demo(
         "preset": preset,
         "seed": seed,
         **results,
+        "evaluated": {
+            "ppo": f"the final policy (iteration {ppo['iterations']})",
+            **(
+                {"ppo_best": f"checkpoints/best (iteration {gold_curve['best_iteration']})"}
+                if "ppo_best" in results and gold_curve
+                else {}
+            ),
+        },
+        "eval_prompts": len(prompts),
+        "gold_curve": gold_curve,
         "rm": {
             "heldout_accuracy": rm["heldout_accuracy"],
             "pairs": rm["pairs"],
@@ -169,10 +192,14 @@ def run_demo(
 
 def format_summary(summary: dict) -> str:
     lines = [f"rlhflab demo — preset {summary['preset']}, seed {summary['seed']}", ""]
-    lines.append(f"{'policy':<8}" + "".join(f"{c:>17}" for c in COLUMNS))
-    for name in ("sft", "ppo"):
-        row = summary[name]
-        lines.append(f"{name:<8}" + "".join(f"{row.get(c, float('nan')):>17.3f}" for c in COLUMNS))
+    lines.append(f"{'policy':<9}" + "".join(f"{c:>17}" for c in COLUMNS))
+    for name in ("sft", "ppo", "ppo_best"):
+        row = summary.get(name)
+        if row:
+            values = "".join(f"{row.get(c, float('nan')):>17.3f}" for c in COLUMNS)
+            lines.append(f"{name:<9}" + values)
+    for name, what in (summary.get("evaluated") or {}).items():
+        lines.append(f"  {name}: {what}")
     d = summary["ppo"]["gold"] - summary["sft"]["gold"]
     p = summary["ppo"]["proxy"] - summary["sft"]["proxy"]
     lines.append("")
@@ -180,6 +207,7 @@ def format_summary(summary: dict) -> str:
         f"gold reward {d:+.3f}, proxy reward {p:+.3f} "
         + ("(proxy up, gold down: reward hacking)" if p > 0 > d else "")
     )
+    lines += _gold_curve_lines(summary.get("gold_curve"))
     acc = ", ".join(f"{k} {v:.2f}" for k, v in summary["rm"]["heldout_accuracy"].items())
     lines.append(f"reward model held-out accuracy: {acc}")
     gold = summary["rm"].get("checks", {}).get("reward_vs_gold")
@@ -193,3 +221,21 @@ def format_summary(summary: dict) -> str:
     t = summary["timing"]
     lines.append("wall time: " + ", ".join(f"{k} {v:.0f}s" for k, v in t.items()))
     return "\n".join(lines)
+
+
+def _gold_curve_lines(story: dict | None) -> list[str]:
+    """What the gold reward did during training (run.json's story), in two lines."""
+    if not story:
+        return []
+    out = [
+        f"training gold (smoothed): best {story['best']:.3f} at iteration "
+        f"{story['best_iteration']}, {story['final']:.3f} at the end"
+        + (" (a significant fall)" if story["fell"] else "")
+    ]
+    peak = (story.get("fit") or {}).get("peak")
+    if peak:
+        out.append(
+            f"over-optimisation fit (Gao et al. 2022): gold peaks near KL {peak['kl']:.2f}; "
+            f"the run ended at KL {story['fit']['final_kl']:.2f}"
+        )
+    return out

@@ -1,9 +1,14 @@
-"""``rlhflab report RUN_DIR``: one self-contained HTML file with the run's story.
+"""``rlhflab report RUN_DIR``: one self-contained HTML file that says at a glance how a run
+went, then shows why.
 
-Curves are inline SVG drawn here (no plotting library, no server, no network): reward per
-head, gold reward, KL and β, length, entropy, clip fractions, value loss and explained
-variance, every monitor signal with its alerts marked, time per phase and memory; then the
-config, the alerts, and sample answers with their scores.
+In reading order: a verdict (gold and proxy change, the best iteration by gold, alerts and
+the first of them, the final KL, a plain sentence when reward hacking is suspected), the
+alerts, the run's facts (dates, wall time, versions, machine, model sizes; ``run.json``),
+the demo's or ``rlhflab compare``'s table where the run has one, the over-optimisation
+curve of Gao et al. (2022) where there is a gold reward, every logged curve (inline SVG,
+:mod:`~.charts`), sample answers beside the reference's, the reward model's checks, and the
+config, the user's own settings first. No script, no external request: the file can be
+mailed or archived as it is, and reads on a phone.
 """
 
 from __future__ import annotations
@@ -12,89 +17,259 @@ import html
 import math
 from pathlib import Path
 
-from rlhflab.app.tables import COMPARE_COLUMNS, DEMO_COLUMNS
+import yaml
+
+from rlhflab.app import report_parts as P
+from rlhflab.app import report_sections as S
+from rlhflab.app.charts import Chart, Series
+from rlhflab.diagnostics.gold_curve import story_from_rows
+from rlhflab.infra.runinfo import read_run_info
 from rlhflab.infra.runlog import read_json, read_jsonl
 
-PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#17becf")
-W, H, PAD = 460, 220, 42
+# alerts fire above these thresholds, except where named here
+_BELOW = {"entropy_ratio"}
+_STAGES = {"PPO": "ppo", "GRPO": "grpo", "RLOO": "rloo", "DPO": "dpo", "SFT": "sft", "RM": "rm"}
 
 
-def _fmt(v: float) -> str:
-    return f"{v:.3g}" if abs(v) < 1e4 else f"{v:.2e}"
+def _series(rows: list[dict], key: str, name: str | None = None, **kw) -> Series:
+    return Series(name or key, [(r["iteration"], r.get(key)) for r in rows], **kw)
 
 
-def line_chart(
-    title: str,
-    series: dict[str, list[tuple[float, float]]],
-    alerts: list[float] = (),
-    threshold: float | None = None,
-) -> str:
-    """An SVG line chart; ``alerts`` are x positions marked in red, ``threshold`` a dashed line."""
-    pts = [p for s in series.values() for p in s if p[1] is not None and math.isfinite(p[1])]
-    if not pts:
-        return ""
-    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-    if threshold is not None:
-        ys.append(threshold)
-    x0, x1 = min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1
-    y0, y1 = min(ys), max(ys)
-    if y1 - y0 < 1e-12:
-        y0, y1 = y0 - 1, y1 + 1
-
-    def sx(x):
-        return PAD + (x - x0) / (x1 - x0) * (W - PAD - 10)
-
-    def sy(y):
-        return H - 28 - (y - y0) / (y1 - y0) * (H - 56)
-
-    parts = [
-        f'<svg width="{W}" height="{H}" viewBox="0 0 {W} {H}" role="img">',
-        f'<text x="{W / 2}" y="16" text-anchor="middle" class="t">{html.escape(title)}</text>',
-        f'<line x1="{PAD}" y1="{H - 28}" x2="{W - 10}" y2="{H - 28}" class="ax"/>',
-        f'<line x1="{PAD}" y1="28" x2="{PAD}" y2="{H - 28}" class="ax"/>',
-        f'<text x="{PAD - 4}" y="{sy(y1) + 4}" text-anchor="end" class="l">{_fmt(y1)}</text>',
-        f'<text x="{PAD - 4}" y="{sy(y0) + 4}" text-anchor="end" class="l">{_fmt(y0)}</text>',
-        f'<text x="{PAD}" y="{H - 12}" class="l">{_fmt(x0)}</text>',
-        f'<text x="{W - 10}" y="{H - 12}" text-anchor="end" class="l">iteration {_fmt(x1)}</text>',
-    ]
-    for x in alerts:
-        parts.append(
-            f'<line x1="{sx(x):.1f}" y1="28" x2="{sx(x):.1f}" y2="{H - 28}" '
-            'stroke="#d62728" stroke-opacity="0.35" stroke-width="3"/>'
-        )
-    if threshold is not None:
-        parts.append(
-            f'<line x1="{PAD}" y1="{sy(threshold):.1f}" x2="{W - 10}" '
-            f'y2="{sy(threshold):.1f}" stroke="#d62728" stroke-dasharray="4 3"/>'
-        )
-    for i, (name, s) in enumerate(series.items()):
-        good = [(x, y) for x, y in s if y is not None and math.isfinite(y)]
-        if not good:
-            continue
-        color = PALETTE[i % len(PALETTE)]
-        path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in good)
-        parts.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.8" points="{path}"/>')
-        parts.append(
-            f'<text x="{PAD + 6 + 150 * (i % 3)}" y="{34 + 12 * (i // 3)}" '
-            f'fill="{color}" class="l">{html.escape(name)}</text>'
-        )
-    parts.append("</svg>")
-    return "".join(parts)
+def _has(rows: list[dict], key: str) -> bool:
+    return any(isinstance(r.get(key), (int, float)) for r in rows)
 
 
-def _series(rows: list[dict], *keys: str, prefix: str | None = None) -> dict:
-    names = list(keys)
-    if prefix:
-        names += sorted({k for r in rows for k in r if k.startswith(prefix)})
-    return {
-        k: [(r["iteration"], r.get(k)) for r in rows]
-        for k in names
-        if any(r.get(k) is not None for r in rows)
+def _thresholds(config: dict) -> dict[str, tuple[float, str]]:
+    from rlhflab.diagnostics.monitor import ADVICE
+
+    mon = config.get("monitor") or {}
+    out = {
+        k: (float(mon[k]), "below" if k in _BELOW else "above")
+        for k in ADVICE
+        if isinstance(mon.get(k), (int, float)) and not isinstance(mon.get(k), bool)
     }
+    out["kl_excess"] = (1.0, "above")
+    return out
 
 
-# Long (about 100 lines) because it lays out the page section by section in reading order;
-# each section's HTML is built by the helpers below it.
+# Long (about 90 lines) because it is the list of charts in the order the page shows them,
+# grouped under headings; each chart is one Chart(...) call.
+def curve_groups(
+    rows: list[dict], alerts: list[dict], config: dict, best: int | None = None
+) -> list[tuple[str, list]]:
+    """[(heading, [Chart])]: every logged curve, grouped, in reading order; ``best``: the
+    iteration of the best smoothed gold, marked on the gold chart."""
+    smooth = float((config.get("monitor") or {}).get("smoothing", 0.8))
+    heads = sorted({k for r in rows for k in r if k.startswith("objective/scores/")})
+    weights = S.head_weights(config, [h.removeprefix("objective/scores/") for h in heads])
+    inside = [h for h in heads if weights[h.removeprefix("objective/scores/")] is not None]
+    outside = [h for h in heads if h not in inside]
+
+    def part(key: str) -> Series:
+        name = key.removeprefix("objective/scores/")
+        w = weights[name]
+        note = "" if w is None or math.isnan(w) else f"× {w:g}"
+        return _series(rows, key, name, note=note)
+
+    reward = [
+        Chart(
+            "Proxy reward: the optimised score and its weighted parts",
+            [_series(rows, "objective/scores", "score (weighted sum)"), *map(part, inside)],
+            "reward (score units)",
+            smooth=smooth,
+        ),
+        Chart(
+            "Reward-model heads outside the objective (watched, not optimised)",
+            [_series(rows, h, h.removeprefix("objective/scores/")) for h in outside],
+            "reward (score units)",
+            smooth=smooth,
+        ),
+        Chart(
+            "Gold reward (monitor.gold)",
+            [_series(rows, "monitor/gold", "gold")],
+            "gold reward",
+            alerts=[a["iteration"] for a in alerts if a["signal"] == "gold_drop"],
+            smooth=smooth,
+            marks=[(best, f"best (smoothed): iteration {best}")] if best else [],
+        ),
+    ]
+    kl = [
+        Chart(
+            "KL to the reference",
+            [_series(rows, "objective/kl", "k1"), _series(rows, "objective/kl_k3", "k3")],
+            "nats per answer",
+            include_zero=True,
+        ),
+        Chart(
+            "β (KL coefficient)",
+            [_series(rows, "objective/kl_coef", "β")],
+            "β",
+            include_zero=True,
+        ),
+    ]
+    update = [
+        Chart("Policy loss", [_series(rows, "policy/loss", "loss")], "loss"),
+        Chart(
+            "approx KL of each update (π_old → π)",
+            [_series(rows, "policy/approx_kl", "approx_kl (k3)")],
+            "nats per token",
+            include_zero=True,
+        ),
+        Chart(
+            "Clip fractions",
+            [
+                _series(rows, "policy/clipfrac", "policy"),
+                _series(rows, "val/clipfrac", "value", dashed=True),
+            ],
+            "fraction of tokens",
+            include_zero=True,
+        ),
+        Chart(
+            "Policy entropy",
+            [_series(rows, "policy/entropy", "entropy")],
+            "nats per token",
+            include_zero=True,
+        ),
+        Chart(
+            "Learning rate",
+            [_series(rows, "lr/policy", "policy lr")],
+            "learning rate",
+            include_zero=True,
+        ),
+        Chart("Value loss", [_series(rows, "val/loss", "value loss")], "loss", include_zero=True),
+        Chart(
+            "Explained variance of the value",
+            [_series(rows, "val/explained_variance", "explained variance")],
+            "1 − Var(R − V)/Var(R)",
+        ),
+    ]
+    answers = [
+        Chart(
+            "Answer length",
+            [
+                _series(rows, "response/length_mean", "mean"),
+                _series(rows, "response/length_max", "longest", dashed=True),
+            ],
+            "tokens",
+            include_zero=True,
+        ),
+        Chart(
+            "Answers that ended with EOS",
+            [_series(rows, "response/eos_rate", "EOS rate")],
+            "fraction of answers",
+            include_zero=True,
+        ),
+    ]
+    thresholds = _thresholds(config)
+    monitors = []
+    for key in sorted({k for r in rows for k in r if k.startswith("monitor/")}):
+        name = key.split("/", 1)[1]
+        if name in ("alerts", "gold"):
+            continue
+        monitors.append(
+            Chart(
+                f"Monitor: {name}",
+                [_series(rows, key, name)],
+                name.replace("_", " "),
+                alerts=[a["iteration"] for a in alerts if a["signal"] == name],
+                threshold=thresholds.get(name),
+            )
+        )
+    phases = ("time/generate", "time/score", "time/train", "time/monitor_probe")
+    system = [
+        Chart(
+            "Time per phase",
+            [_series(rows, k, k.split("/")[1]) for k in phases],
+            "seconds per iteration",
+            include_zero=True,
+        ),
+        Chart(
+            "Sampling throughput",
+            [_series(rows, "throughput/tokens_per_sec", "generated tokens per second")],
+            "tokens per second",
+            include_zero=True,
+        ),
+        Chart(
+            "Peak memory",
+            [_series(rows, "memory/peak_mib", "peak")],
+            "MiB",
+            include_zero=True,
+        ),
+        Chart(
+            "Skipped updates (non-finite reward, loss or gradient)",
+            [_series(rows, "faults/skipped_updates", "skipped so far")],
+            "updates",
+            include_zero=True,
+        ),
+    ]
+    return [
+        ("Reward", reward),
+        ("KL", kl),
+        ("The policy and value updates", update),
+        ("Answers", answers),
+        ("Reward-hacking monitors", monitors),
+        ("Time and memory", system),
+    ]
+
+
+def overoptimisation(rows: list[dict], story: dict) -> str:
+    """Gold against √KL with Gao et al.'s fitted curve and its predicted peak."""
+    fit = story.get("fit") if story else None
+    if not fit:
+        return ""
+    pts = [
+        (math.sqrt(max(r["objective/kl"], 0.0)), r["monitor/gold"])
+        for r in rows
+        if isinstance(r.get("objective/kl"), (int, float)) and _finite(r.get("monitor/gold"))
+    ]
+    peak = fit.get("peak")
+    d_max = max(d for d, _ in pts)
+    top = d_max * 1.05 if peak is None else max(d_max, min(peak["d"] * 1.15, 2 * d_max))
+    curve = []
+    for i in range(61):
+        d = top * i / 60
+        gain = 0.0 if d <= 0 else d * (fit["alpha"] - fit["beta"] * math.log(d))
+        curve.append((d, fit["baseline"] + gain))
+    marks = []
+    if peak is not None and peak["d"] <= top:
+        marks.append((peak["d"], f"predicted peak: √KL {peak['d']:.2f} (KL {peak['kl']:.2f})"))
+    chart = Chart(
+        "Gold reward against the distance from the reference",
+        [
+            Series("each iteration", pts, dots=True),
+            Series("fit: g0 + d(α − β ln d)", curve),
+        ],
+        "gold reward",
+        x_title="d = √KL (√nats per answer)",
+        x_from_zero=True,
+        marks=marks,
+    ).html()
+    where = (
+        "no peak: the fitted gain never turns down (β ≤ 0)"
+        if peak is None
+        else f"predicted peak gold {peak['gold']:.3f} at KL {peak['kl']:.2f} nats "
+        f"(d* = exp(α/β − 1) = {peak['d']:.2f}); the run ended at KL {fit['final_kl']:.2f}"
+    )
+    text = (
+        f"<p>Gao, Schulman &amp; Hilton (2022) found that under RL against a proxy reward the "
+        f"gold reward follows g0 + d(α − β ln d) in d = √KL. Least squares over "
+        f"{fit['points']} iterations: α = {fit['alpha']:.3f}, β = {fit['beta']:.3f}, "
+        f"g0 = {fit['baseline']:.3f}, residual {fit['rmse']:.3f} (one batch's noise); "
+        f"{where}.</p>"
+    )
+    return f"<h2 id='overopt'>Over-optimisation</h2>{text}<div class='one'>{chart}</div>"
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def _read(path: Path):
+    return read_json(path) if path.is_file() else None
+
+
+# Long (about 60 lines) because it reads every input and lays the page out section by
+# section in reading order; each section's HTML comes from report_parts/report_sections.
 def build_report(run_dir: str | Path) -> Path:
     run = Path(run_dir)
     metrics_path = run / "metrics.jsonl"
@@ -105,179 +280,111 @@ def build_report(run_dir: str | Path) -> Path:
         raise FileNotFoundError(f"{run}: metrics.jsonl is empty")
     alerts = read_jsonl(run / "alerts.jsonl") if (run / "alerts.jsonl").exists() else []
     samples = read_jsonl(run / "samples.jsonl") if (run / "samples.jsonl").exists() else []
-    config = (run / "config.yaml").read_text() if (run / "config.yaml").exists() else ""
-    summary_path = run.parent / "summary.json"
-    summary = read_json(summary_path) if summary_path.exists() else None
-    compare_path = run.parent / "compare.json"
-    compare = read_json(compare_path) if compare_path.exists() else None
-
-    charts = [
-        line_chart(
-            "reward per head", _series(rows, "objective/scores", prefix="objective/scores/")
-        ),
-        line_chart("gold reward (monitor)", _series(rows, "monitor/gold")),
-        line_chart(
-            "KL to reference (nats/answer)", _series(rows, "objective/kl", "objective/kl_k3")
-        ),
-        line_chart("β (KL coefficient)", _series(rows, "objective/kl_coef")),
-        line_chart(
-            "answer length (tokens)", _series(rows, "response/length_mean", "response/length_max")
-        ),
-        line_chart("policy entropy", _series(rows, "policy/entropy")),
-        line_chart("clip fractions", _series(rows, "policy/clipfrac", "val/clipfrac")),
-        line_chart("value loss", _series(rows, "val/loss")),
-        line_chart("explained variance", _series(rows, "val/explained_variance")),
-        line_chart(
-            "time per phase (s)",
-            _series(rows, "time/generate", "time/score", "time/train", "time/monitor_probe"),
-        ),
-        line_chart("peak memory (MiB)", _series(rows, "memory/peak_mib")),
-    ]
-    monitor_keys = sorted(
-        {k for r in rows for k in r if k.startswith("monitor/")}
-        - {"monitor/alerts", "monitor/gold"}
-    )
-    thresholds = _thresholds(config)
-    for key in monitor_keys:
-        name = key.split("/", 1)[1]
-        marks = [a["iteration"] for a in alerts if a["signal"] == name]
-        charts.append(
-            line_chart(f"monitor: {name}", _series(rows, key), marks, thresholds.get(name))
-        )
+    config = _config(run)
+    info = read_run_info(run)
+    summary, compare = _read(run.parent / "summary.json"), _read(run.parent / "compare.json")
+    smoothing = float((config.get("monitor") or {}).get("smoothing", 0.8))
+    story = story_from_rows(rows, smoothing)
+    if story:
+        kept = (info or {}).get("gold", {}).get("best_checkpoint")
+        story["best_checkpoint"] = kept if info else (run / "checkpoints" / "best").is_dir()
+    trainer = (info or {}).get("trainer", "")
+    name = "/".join(run.resolve().parts[-2:])
+    sections = [("verdict", "Verdict"), ("alerts", "Alerts"), ("run", "The run")]
     body = [
-        "<h1>rlhflab run report</h1>",
-        f"<p class='m'>{html.escape(str(run))} — {len(rows)} iterations, {len(alerts)} alerts</p>",
+        P.verdict(rows, alerts, story, summary),
+        "<h2 id='alerts'>Alerts</h2>" + P.alerts_table(alerts),
+        "<h2 id='run'>The run</h2>" + P.run_facts(info, rows, run),
     ]
     if summary:
-        body.append(_summary_table(summary))
+        sections.append(("demo", "Demo: held-out evaluation"))
+        body.append("<h2 id='demo'>Demo: held-out evaluation</h2>" + P.demo_table(summary))
     if compare:
-        body.append(
-            "<h2>Methods compared</h2>"
-            + _table(
-                ["method", *COMPARE_COLUMNS],
-                [
-                    [
-                        r["method"],
-                        *(
-                            f"{r[c]:.3f}" if isinstance(r[c], float) else r[c]
-                            for c in COMPARE_COLUMNS
-                        ),
-                    ]
-                    for r in compare["rows"]
-                ],
-            )
-        )
-    body.append(_reward_model_checks(config))
-    body.append("<h2>Curves</h2><div class='g'>" + "".join(c for c in charts if c) + "</div>")
-    body.append(
-        "<h2>Alerts</h2>"
-        + (
-            _table(
-                ["iteration", "signal", "value", "message"],
-                [[a["iteration"], a["signal"], f"{a['value']:.3f}", a["message"]] for a in alerts],
-            )
-            if alerts
-            else "<p>No monitor fired.</p>"
-        )
+        sections.append(("compare", "Methods compared"))
+        body.append("<h2 id='compare'>Methods compared</h2>" + P.compare_table(compare))
+    over = overoptimisation(rows, story)
+    if over:
+        sections.append(("overopt", "Over-optimisation"))
+        body.append(over)
+    curves = []
+    best = story.get("best_iteration") if story else None
+    for i, (heading, charts) in enumerate(curve_groups(rows, alerts, config, best)):
+        drawn = [c.html() for c in charts]
+        if any(drawn):
+            curves.append(f"<h3 id='c{i}'>{html.escape(heading)}</h3><div class='g'>")
+            curves.append("".join(drawn) + "</div>")
+    sections.append(("curves", "Curves"))
+    body.append("<h2 id='curves'>Curves</h2>" + "".join(curves))
+    sections.append(("samples", "Samples"))
+    body.append(S.samples_section(samples, config))
+    checks = S.rm_checks(config, run)
+    if checks:
+        sections.append(("rm", "Reward model checks"))
+        body.append(checks)
+    sections.append(("config", "Config"))
+    body.append(S.config_section(config, S.flat_defaults(_STAGES.get(trainer, "ppo"))))
+    toc = "".join(f"<li><a href='#{a}'>{html.escape(t)}</a></li>" for a, t in sections)
+    when = (info or {}).get("started", "")[:16].replace("T", " ")
+    head = (
+        f"<h1>{html.escape(name)}</h1><p class='m'>{html.escape(trainer or 'run')} · "
+        f"{len(rows)} iterations{' · started ' + html.escape(when) if when else ''} · "
+        f"<code>{html.escape(str(run))}</code></p><nav><ul class='toc'>{toc}</ul></nav>"
     )
-    body.append(
-        "<h2>Samples</h2>"
-        + _table(
-            ["iteration", "prompt", "answer", "score", "KL"],
-            [
-                [s["iteration"], s["prompt"], s["response"], f"{s['score']:.3f}", f"{s['kl']:.2f}"]
-                for s in samples
-            ],
-        )
-    )
-    body.append(f"<h2>Config</h2><pre>{html.escape(config)}</pre>")
+    title = f"{name}: {trainer or 'run'} report, {len(rows)} iterations, {len(alerts)} alerts"
+    page = _PAGE.replace("{{TITLE}}", html.escape(title))
     out = run / "report.html"
-    out.write_text(_PAGE.replace("{{BODY}}", "\n".join(body)), encoding="utf-8")
+    out.write_text(page.replace("{{BODY}}", head + "\n".join(body)), encoding="utf-8")
     return out
 
 
-def _thresholds(config_text: str) -> dict[str, float]:
-    import yaml
-
-    try:
-        mon = (yaml.safe_load(config_text) or {}).get("monitor", {})
-    except yaml.YAMLError:
+def _config(run: Path) -> dict:
+    path = run / "config.yaml"
+    if not path.is_file():
         return {}
-    from rlhflab.diagnostics.monitor import ADVICE
-
-    out = {k: mon[k] for k in ADVICE if isinstance(mon.get(k), (int, float))}
-    out["kl_excess"] = 1.0
-    return out
-
-
-def _reward_model_checks(config_text: str) -> str:
-    """The held-out checks ``rlhflab rm`` wrote beside the run's reward model
-    (``reward.model``/rm_checks.json), as a table; '' where there are none."""
-    import yaml
-
     try:
-        folder = ((yaml.safe_load(config_text) or {}).get("reward") or {}).get("model")
-    except yaml.YAMLError:
-        return ""
-    path = Path(folder) / "rm_checks.json" if folder else None
-    if path is None or not path.is_file():
-        return ""
-    from rlhflab.diagnostics.rm_checks import gold_warning, length_warning
-
-    checks = read_json(path)
-    if not isinstance(checks, dict):
-        return ""
-    keys = ("accuracy", "calibration_error", "longer_preferred")
-    keys += ("longer_preferred_by_labels", "score_length_corr")
-
-    def cell(v) -> str:
-        return "-" if v is None else f"{v:.3f}"
-
-    table = _table(
-        ["reward", *keys],
-        [[name, *(cell(row.get(k)) for k in keys)] for name, row in checks.items()],
-    )
-
-    def numbers(row: str) -> dict:
-        return {k: (float("nan") if v is None else v) for k, v in checks.get(row, {}).items()}
-
-    reward = numbers("reward")
-    warnings = [
-        length_warning(reward) if "longer_preferred" in reward else None,
-        gold_warning(numbers("reward_vs_gold")),
-    ]
-    note = "".join(f"<p><b>{html.escape(w)}</b></p>" for w in warnings if w)
-    return (
-        f"<h2>Reward model checks</h2><p class='m'>{html.escape(str(path))}, held-out pairs "
-        "(docs/ppo.md, 'Is the reward model any good?')</p>" + table + note
-    )
+        loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return {}
+    return loaded if isinstance(loaded, dict) else {}
 
 
-def _summary_table(summary: dict) -> str:
-    cols = DEMO_COLUMNS
-    rows = [
-        [name] + [f"{summary[name].get(c, float('nan')):.3f}" for c in cols]
-        for name in ("sft", "ppo")
-        if name in summary
-    ]
-    return "<h2>Demo summary</h2>" + _table(["policy", *cols], rows)
-
-
-def _table(header: list[str], rows: list[list]) -> str:
-    head = "".join(f"<th>{html.escape(str(h))}</th>" for h in header)
-    body = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in rows
-    )
-    return f"<table><tr>{head}</tr>{body}</table>"
-
-
-_PAGE = """<!doctype html><html><head><meta charset="utf-8"><title>rlhflab report</title>
-<style>body{font-family:system-ui,sans-serif;margin:24px;color:#222}
-.g{display:flex;flex-wrap:wrap;gap:10px}svg{background:#fafafa;border:1px solid #ddd}
-.t{font-size:13px;font-weight:600}.l{font-size:10px;fill:#555}.ax{stroke:#999}
-table{border-collapse:collapse;font-size:12px;margin:8px 0}
-td,th{border:1px solid #ddd;padding:3px 6px;text-align:left;vertical-align:top;
-white-space:pre-wrap}.m{color:#666}pre{background:#f4f4f4;padding:8px;font-size:11px}
+_PAGE = """<!doctype html><html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>{{TITLE}}</title>
+<style>
+body{font:15px/1.45 system-ui,-apple-system,"Segoe UI",sans-serif;color:#1c1c1e;
+margin:0 auto;padding:16px 20px;max-width:1800px}
+h1{font-size:1.45em;margin:.2em 0;overflow-wrap:anywhere}
+h2{font-size:1.2em;border-bottom:1px solid #ddd;padding-bottom:.15em;margin-top:1.5em}
+h3{font-size:1.02em;margin:1.1em 0 .4em}h4{margin:0 0 .2em;font-size:.9em;color:#555}
+code{font-size:.92em;overflow-wrap:anywhere}.m,.cn{color:#555}.cn{font-size:.8em;margin:2px 0 0}
+nav .toc{list-style:none;padding:0;margin:.4em 0;display:flex;flex-wrap:wrap;gap:4px 16px}
+.verdict{border-left:6px solid #888;background:#f6f6f6;padding:2px 16px 8px;margin-top:12px}
+.verdict.good{border-color:#1a7f37;background:#eef8f0}.verdict.bad{border-color:#c0392b;
+background:#fcefed}.verdict.warn{border-color:#b26b00;background:#fdf5e6}
+.badge{font-size:.8em;padding:.15em .55em;border-radius:4px;color:#fff;background:#666;
+vertical-align:middle}.good .badge{background:#1a7f37}.bad .badge{background:#c0392b}
+.warn .badge{background:#b26b00}.say{font-size:1.08em;font-weight:600}
+.verdict ul{margin:.3em 0;padding-left:1.2em}
+.g{display:grid;grid-template-columns:repeat(auto-fill,minmax(min(100%,400px),1fr));gap:14px}
+.one{max-width:640px}
+figure.c{margin:0;border:1px solid #ddd;border-radius:6px;padding:8px 10px;background:#fff;
+min-width:0}svg.pl{display:block;width:100%;height:auto}
+figcaption{font-weight:600;font-size:.92em;margin-bottom:4px}
+.pa{fill:#fcfcfc;stroke:#bbb}.gr{stroke:#e6e6e6}.tk{font-size:11px;fill:#444}
+.at{font-size:12px;fill:#222}
+ul.lg{list-style:none;margin:6px 0 0;padding:0;display:flex;flex-wrap:wrap;gap:2px 14px;
+font-size:.83em}ul.lg li{display:flex;align-items:center;gap:5px}.sw{flex:none}
+.tw{overflow-x:auto;max-width:100%}table{border-collapse:collapse;font-size:.86em;margin:6px 0}
+td,th{border:1px solid #ddd;padding:3px 7px;text-align:left;vertical-align:top;
+overflow-wrap:break-word}th{background:#f3f3f3}
+pre{background:#f4f4f4;padding:6px 8px;font-size:.85em;white-space:pre-wrap;
+overflow-wrap:anywhere;margin:0}details{margin:.6em 0}summary{cursor:pointer;color:#0b5cad}
+.smp{border:1px solid #ddd;border-radius:6px;padding:6px 10px;margin:8px 0}.q{margin:2px 0 6px}.q code{white-space:pre-wrap}
+.pair{display:grid;grid-template-columns:repeat(auto-fit,minmax(min(100%,300px),1fr));gap:10px}
+.sa p{margin:3px 0;font-size:.9em}
+@media (max-width:600px){body{padding:10px;font-size:14px}table{font-size:.78em}
+td,th{padding:2px 4px}}
 </style></head><body>
 {{BODY}}
 </body></html>

@@ -45,6 +45,15 @@ class LogConfig:
     samples_per_log: int = setting(4, "How many samples each time.", low=0)
     checkpoint_every: int = setting(10, "Checkpoint every N iterations (and at the end).", low=1)
     keep_last: int = setting(2, "Checkpoints kept; older ones are deleted.", low=1)
+    keep_best: bool | None = setting(
+        None,
+        "Keep the policy with the best smoothed gold reward so far (monitor.gold, EMA "
+        "monitor.smoothing) as checkpoints/best: the weights that sampled that iteration's "
+        "answers, without optimiser state, never deleted by keep_last; `rlhflab export "
+        "--checkpoint best` reads it. The gold reward often peaks before the run ends "
+        "(over-optimisation). None: on when there is a gold reward; true without one is an "
+        "error.",
+    )
     progress: bool = setting(True, "Show a progress bar.")
 
 

@@ -163,12 +163,13 @@ class HackingMonitor:
         )
         self.state = MonitorState()
 
-    def signals(self, rollout, metrics: dict, reference=None, openers=None) -> dict:
+    def signals(self, rollout, metrics: dict, reference=None, openers=None, gold=None) -> dict:
         """Signals of one scored rollout. ``reference``: the reference policy's rollout on the
         same prompts (anything with ``response_mask`` and ``responses``), or None when it
         was not sampled this iteration (then the baseline-relative signals are absent).
         ``openers``: (policy, reference) log-probabilities (B,) of opening with a listed
-        phrase on the batch's prompts (``rollout.opener_logprobs``), or None."""
+        phrase on the batch's prompts (``rollout.opener_logprobs``), or None. ``gold``: each
+        answer's gold reward (B,) where the caller has scored it already (:meth:`gold_of`)."""
         mc, st = self.cfg, self.state
         mask = rollout.response_mask.bool()
         lengths = rollout.response_mask.sum(1).float()
@@ -191,8 +192,9 @@ class HackingMonitor:
         out["distinct_n"] = distinct_n(tokens, mc.ngram)
         out["reward_length_corr"] = pearson(rollout.scores, lengths)
         if self.gold_fn is not None:
-            parts = self.gold_fn(RewardBatch(rollout.prompts, rollout.responses))
-            gold = sum(parts.values()).float().mean()
+            if gold is None:
+                gold = self.gold_of(rollout.prompts, rollout.responses)
+            gold = gold.float().mean()
             out["gold"] = float(gold)
             a = mc.smoothing
             st.gold_ema = (
@@ -216,6 +218,11 @@ class HackingMonitor:
                 st.initial_spread = spread
             out["ensemble_spread"] = spread / st.initial_spread if st.initial_spread > 0 else 1.0
         return out
+
+    def gold_of(self, prompts: list[str], responses: list[str]) -> torch.Tensor:
+        """Each answer's gold reward (B,): the sum of the gold source's parts."""
+        parts = self.gold_fn(RewardBatch(prompts, responses))
+        return sum(parts.values()).float()
 
     def thresholds(self) -> dict[str, tuple[float, str]]:
         """signal → (threshold, 'above' | 'below')."""

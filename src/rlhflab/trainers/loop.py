@@ -11,14 +11,17 @@
   (the Python API's callbacks); one that returns a true value stops the run there, with a
   checkpoint, as a stop reason would.
 
-What a step adds to the log beyond its metrics (sample answers, monitor alerts) and the
-progress bar's summary are optional hooks of the loop. Under torchrun every rank runs the
+What a step adds to the log beyond its metrics (sample answers, monitor alerts), the
+progress bar's summary and the facts the job adds to ``run.json`` (:mod:`rlhflab.infra.runinfo`:
+dates, wall time, versions, machine; written at the start and the end) are optional hooks
+of the loop. Under torchrun every rank runs the
 loop (each step and each save is collective); only rank 0 writes files.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +32,7 @@ import yaml
 
 from rlhflab.config import LogConfig
 from rlhflab.infra import checkpoint as C
+from rlhflab.infra import runinfo
 from rlhflab.infra.runlog import RunLog
 from rlhflab.trainers.common import progress
 
@@ -75,6 +79,9 @@ class RunLoop:
     alerts: Callable[[int], list[dict]] | None = None
     # (metrics) -> the progress bar's summary
     postfix: Callable[[dict], dict[str, str]] | None = None
+    # () -> facts the job adds to run.json (model sizes, the gold reward's story), called
+    # when the run starts and when it ends
+    facts: Callable[[], dict] | None = None
     # (run_dir, set_aside) -> the newest checkpoint that is whole, or None: by default
     # rlhflab's checkpoint format's check; a job that writes another format brings its own
     latest: Callable[[Path, bool], Path | None] = C.latest_checkpoint
@@ -92,6 +99,7 @@ class RunLoop:
         )
         metrics: dict = {}
         reason = None
+        info = self._start_info(job, resume_step)
         try:
             for _ in bar:
                 metrics = job.step()
@@ -108,7 +116,54 @@ class RunLoop:
                     break
         finally:
             runlog.close()
+            self._end_info(info, job, reason, time.perf_counter() - start)
         return RunResult(job.iteration, metrics, reason, time.perf_counter() - start)
+
+    def _start_info(self, job: Job, resume_step: int | None) -> dict:
+        """run.json as the run starts (rank 0 writes it): a resumed run keeps its first start
+        and its wall time so far."""
+        if not self.is_main:
+            return {}
+        old = (runinfo.read_run_info(self.run_dir) or {}) if resume_step is not None else {}
+        info = {
+            "trainer": self.name,
+            "started": old.get("started") or runinfo.now(),
+            "finished": None,
+            "wall_s_before": (old.get("wall_s") or 0.0) if resume_step is not None else 0.0,
+            **({"resumed_at": resume_step} if resume_step is not None else {}),
+            **runinfo.machine_facts(),
+            **self._facts(),
+        }
+        runinfo.write_run_info(self.run_dir, info)
+        return info
+
+    def _end_info(self, info: dict, job: Job, reason: str | None, seconds: float) -> None:
+        if not self.is_main:
+            return
+        died_of = sys.exc_info()[0]  # called from a finally clause: the exception, if any
+        info = {
+            **info,
+            "finished": runinfo.now(),
+            "wall_s": info["wall_s_before"] + seconds,
+            "steps": job.iteration,
+            "total": self.total,
+            "stop_reason": reason,
+            "error": died_of.__name__ if died_of else None,
+            **self._facts(),
+        }
+        try:
+            runinfo.write_run_info(self.run_dir, info)
+        except OSError as exc:  # never hide the exception a run may be ending with
+            log.warning("run.json: not written (%s)", exc)
+
+    def _facts(self) -> dict:
+        if self.facts is None:
+            return {}
+        try:
+            return self.facts()
+        except Exception as exc:  # noqa: BLE001 - run.json is a record; never fail a run for it
+            log.warning("run.json: the trainer's facts are left out (%s)", exc)
+            return {}
 
     def _resume(self, job: Job) -> int | None:
         """Load the newest whole checkpoint, if any; the step it was written at, or None.
@@ -131,7 +186,9 @@ class RunLoop:
         if resume_step is not None and saved.is_file():
             for line in config_changes(_read_yaml(saved), self.config):
                 log.warning("--resume: the config differs from the run's: %s", line)
-        saved.write_text(yaml.safe_dump(self.config, sort_keys=False))
+        saved.write_text(
+            yaml.safe_dump(self.config, sort_keys=False, allow_unicode=True), encoding="utf-8"
+        )
         return RunLog(self.run_dir, self.log.tensorboard, self.log.wandb, self.config, resume_step)
 
     def _record(self, runlog, step: int, metrics: dict) -> None:
@@ -161,7 +218,7 @@ def _hooks_stop(job: Job, metrics: dict) -> str | None:
 
 def _read_yaml(path: Path) -> dict:
     try:
-        loaded = yaml.safe_load(path.read_text())
+        loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:  # a torn or edited file
         log.warning("--resume: %s cannot be read (%s); not compared", path, exc)
         return {}

@@ -30,8 +30,6 @@ from rlhflab.infra.distributed import (
     global_moments,
     init_distributed,
     rank_split,
-    shard,
-    wrap_trained,
 )
 from rlhflab.trainers.common import load_prompt_set
 from rlhflab.trainers.loop import RunLoop
@@ -42,10 +40,11 @@ from rlhflab.trainers.ppo_metrics import (
     answer_kl,
     iteration_metrics,
     progress_summary,
+    run_facts,
     sample_rows,
 )
 from rlhflab.trainers.ppo_watch import PPOWatch
-from rlhflab.trainers.runstate import CastCheckpoints, gathered_rng
+from rlhflab.trainers.runstate import CastCheckpoints, gathered_rng, wrap_for_parallel
 
 __all__ = ["METRICS", "PPOTrainer", "train"]  # METRICS: where docs/ppo.md points
 
@@ -80,7 +79,7 @@ class PPOTrainer:
         self.cast = cast or build_cast(cfg, device, tokenizer, rewards)
         self.device = self.cast.device
         self.fsdp = self.ctx.enabled and cfg.dist.strategy == "fsdp"
-        self.train_policy, self.train_critic = self._wrap_for_parallel()
+        self.train_policy, self.train_critic = wrap_for_parallel(cfg, self.ctx, self.cast)
         # under FSDP every rank must run the same number of forward passes while sampling
         self.all_done = self.ctx.all_true if self.fsdp else None
         self.kl_ctl = (
@@ -122,32 +121,6 @@ class PPOTrainer:
     monitor = property(lambda self: self.watch.monitor)
     stop_reason = property(lambda self: self.watch.stop_reason)
 
-    def _wrap_for_parallel(self):
-        """Wrap (DDP) or shard (FSDP2) the trained models before their optimisers exist;
-        returns (policy, critic or None) as the training forward calls them."""
-        cfg, ctx, cast = self.cfg, self.ctx, self.cast
-        strategy = cfg.dist.strategy
-        if ctx.enabled and cfg.ppo.step_in_backward:
-            raise ConfigError(
-                "ppo.step_in_backward: with several processes the gradients are averaged "
-                "across ranks after the backward; updating during it is single-process only"
-            )
-        if self.fsdp and cast.shared and cfg.rollout.logprobs_from_sampling:
-            raise ConfigError(
-                "rollout.logprobs_from_sampling: with a shared backbone under fsdp the value "
-                "head's weights are sharded outside the sampling pass; use ddp, a separate "
-                "critic, or turn it off"
-            )
-        if self.fsdp and (cfg.model.lora_r or cfg.model.critic_lora_r):
-            raise ConfigError("dist.strategy: LoRA with fsdp is not supported; use ddp")
-        policy = wrap_trained(cast.policy, ctx, strategy, cfg.dist.mixed_precision)
-        critic = None
-        if cast.critic_values is not None:
-            critic = wrap_trained(cast.critic_values, ctx, strategy, cfg.dist.mixed_precision)
-        if self.fsdp and cfg.dist.shard_reference and isinstance(cast.reference, torch.nn.Module):
-            shard(cast.reference)
-        return policy, critic
-
     def _check_batch(self) -> None:
         r, limit = self.cfg.rollout, self.cast.policy_lm.config.max_position_embeddings
         if r.max_prompt_tokens + r.max_new_tokens > limit:
@@ -174,6 +147,10 @@ class PPOTrainer:
         t0 = time.perf_counter()
         openers = self.watch.opener_probe(rollout)
         times["time/monitor_probe"] = time.perf_counter() - t0
+        # 2c. the batch's gold reward (monitor.gold); log.keep_best keeps the weights that
+        # sampled it, before step 8 changes them, when its smoothed mean is the best so far
+        if self.watch.score_gold(rollout, self.iteration + 1) and self.watch.keep_best:
+            self.save(self.iteration, "best")
 
         # 3. missing-EOS penalty; 3b. PAR shaping against the reference's answers (optional)
         penalty = self.cfg.reward.missing_eos_penalty
@@ -347,6 +324,7 @@ class PPOTrainer:
             samples=self.sample_rows,
             alerts=self.watch.new_alerts,
             postfix=progress_summary,
+            facts=self.run_facts,
         )
         done = loop.run(self, resume)
         return {"iterations": done.steps, "last": done.last, "stop_reason": done.stop_reason}
@@ -365,6 +343,7 @@ class PPOTrainer:
             "data": self.stream.state_dict(),
             "moments": self.moments.state_dict(),
             "monitor": self.monitor.state.state_dict() if self.monitor else {},
+            "best": self.watch.best.state_dict(),
             "faults": update["faults"],
         }
 
@@ -382,17 +361,26 @@ class PPOTrainer:
         self.moments.load_state_dict(s["moments"])
         if self.monitor is not None and s.get("monitor"):
             self.monitor.state.load_state_dict(s["monitor"])
+        if "best" in s:  # checkpoints from 2026-12-06 on
+            self.watch.best.load_state_dict(s["best"])
 
     def save(self, iteration: int, name: str | None = None) -> Path:
-        """Write checkpoints/step-N or ``name`` (collective; rank 0 writes the files)."""
-        return self.checkpoints.save(iteration, self.state_dict, name)
+        """Write checkpoints/step-N or ``name`` (collective; rank 0 writes the files).
+        ``best`` (log.keep_best) goes without the optimisers' moments: it is for export."""
+        return self.checkpoints.save(iteration, self.state_dict, name, name != "best")
 
     def load_checkpoint(self, path: Path) -> None:
         self.load_state_dict(self.checkpoints.load(path))
 
     def sample_rows(self, n: int) -> list[dict]:
-        """Up to n answers of the last iteration, with their scores and KL, for the log."""
-        return sample_rows(self.last_rollout, n)
+        """Up to n answers of the last iteration with their scores, KL and gold, and the
+        reference's answer to the same prompt (:meth:`PPOWatch.sample_extras`)."""
+        rows = sample_rows(self.last_rollout, n)
+        return [{**r, **x} for r, x in zip(rows, self.watch.sample_extras(len(rows)))]
+
+    def run_facts(self) -> dict:
+        """What run.json adds for this run: model sizes, and the gold reward's story."""
+        return run_facts(self.cast, self.run_dir, self.cfg.monitor.smoothing, self.watch.keep_best)
 
 
 def train(cfg: Config, resume: bool = False) -> dict:

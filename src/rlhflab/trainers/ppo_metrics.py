@@ -6,11 +6,15 @@ the monitor its ``monitor/`` signals.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from rlhflab.core import algorithms as A
+from rlhflab.diagnostics.gold_curve import story_from_rows
 from rlhflab.experience.ensemble import SPREAD
 from rlhflab.experience.rollout import Rollout
+from rlhflab.infra.runlog import read_jsonl
 
 METRICS = {
     "objective/scores": "mean combined score after the missing-EOS penalty, before normalisation",
@@ -143,3 +147,30 @@ def progress_summary(metrics: dict) -> dict[str, str]:
         "kl": f"{metrics['objective/kl']:.3f}",
         "beta": f"{metrics['objective/kl_coef']:.3g}",
     }
+
+
+def model_sizes(cast) -> dict[str, dict[str, int]]:
+    """Parameters of each model of the cast, all and trained (a LoRA policy trains few)."""
+    out = {}
+    for name, model in cast.models().items():
+        params = list(model.parameters()) if hasattr(model, "parameters") else []
+        out[name] = {
+            "parameters": sum(p.numel() for p in params),
+            "trained": sum(p.numel() for p in params if p.requires_grad),
+        }
+    return out
+
+
+def run_facts(cast, run_dir: Path, smoothing: float, keep_best: bool) -> dict:
+    """What a PPO-family run adds to run.json: its models' sizes and, where the monitor
+    logged a gold reward, the gold reward's story (:func:`~rlhflab.diagnostics.gold_curve.
+    story_from_rows`: best iteration, fall, over-optimisation fit) from metrics.jsonl, with
+    the folder log.keep_best writes (None when it is off)."""
+    facts: dict = {"models": model_sizes(cast)}
+    path = Path(run_dir) / "metrics.jsonl"
+    story = story_from_rows(read_jsonl(path), smoothing) if path.is_file() else {}
+    if story:
+        facts["gold"] = story
+        best = Path(run_dir) / "checkpoints" / "best"
+        facts["gold"]["best_checkpoint"] = str(best) if keep_best and best.is_dir() else None
+    return facts

@@ -1,5 +1,6 @@
-"""Steps 2b and 9b of a PPO iteration: the reward-hacking monitor's probe and its reaction,
-and step 9's check that the KL to the reference is not significantly negative.
+"""Steps 2b, 2c and 9b of a PPO iteration: the reward-hacking monitor's probe, the batch's
+gold reward (and whether it is the best so far, for ``log.keep_best``), the monitor's
+reaction, and step 9's check that the KL to the reference is not significantly negative.
 
 :class:`PPOWatch` is held by :class:`rlhflab.trainers.ppo.PPOTrainer`; it owns the monitor
 and may raise the KL controller's β or ask the run to stop (``stop_reason``). The signals
@@ -9,13 +10,15 @@ themselves are computed in ``rlhflab.diagnostics.monitor``.
 from __future__ import annotations
 
 import logging
+import math
+from dataclasses import dataclass
 
 import torch
 
-from rlhflab.config import Config
+from rlhflab.config import Config, ConfigError
 from rlhflab.core import algorithms as A
 from rlhflab.diagnostics.monitor import HackingMonitor
-from rlhflab.experience.rewards import FunctionReward
+from rlhflab.experience.rewards import FunctionReward, RewardBatch
 from rlhflab.experience.rollout import Rollout, generate_rollout, opener_logprobs
 
 log = logging.getLogger(__name__)
@@ -24,6 +27,33 @@ log = logging.getLogger(__name__)
 # π itself sampled (E[k1] = KL ≥ 0). At z = −4 a correct run is wrongly warned about with
 # probability ~3e-5 per iteration even at KL exactly 0 (normal approximation).
 NEGATIVE_KL_Z = -4.0
+
+
+@dataclass
+class BestGold:
+    """The best exponential moving average of the batches' mean gold reward so far (the
+    recurrence of :func:`rlhflab.diagnostics.gold_curve.ema`, so the report finds the same
+    iteration from metrics.jsonl); ``iteration``: the logged iteration it was reached at."""
+
+    smoothing: float
+    ema: float | None = None
+    best: float = -math.inf
+    iteration: int = 0
+
+    def update(self, gold: float, iteration: int) -> bool:
+        """Smooth in one batch's mean gold; True when that is a new best."""
+        a = self.smoothing
+        self.ema = gold if self.ema is None else a * self.ema + (1 - a) * gold
+        if self.ema > self.best:
+            self.best, self.iteration = self.ema, iteration
+            return True
+        return False
+
+    def state_dict(self) -> dict:
+        return {"ema": self.ema, "best": self.best, "iteration": self.iteration}
+
+    def load_state_dict(self, s: dict) -> None:
+        self.ema, self.best, self.iteration = s["ema"], s["best"], s["iteration"]
 
 
 class PPOWatch:
@@ -47,6 +77,29 @@ class PPOWatch:
         self._reference: tuple[int, Rollout] | None = None  # (iteration, its answers)
         self.kl_sign_warned = False
         self.stop_reason: str | None = None  # set by monitor.response=stop
+        has_gold = self.monitor is not None and self.monitor.gold_fn is not None
+        if cfg.log.keep_best and not has_gold:
+            raise ConfigError(
+                "log.keep_best: the best policy is judged by a gold reward; set monitor.gold "
+                "(and keep monitor.enabled), or leave log.keep_best unset"
+            )
+        self.keep_best = has_gold if cfg.log.keep_best is None else cfg.log.keep_best
+        self.best = BestGold(cfg.monitor.smoothing)
+        # this iteration's per-answer gold (B,) and the reference's rollout on the same
+        # prompts (None: not sampled this iteration), for the logged samples
+        self.last_gold: torch.Tensor | None = None
+        self.last_reference = None
+
+    def score_gold(self, rollout: Rollout, iteration: int) -> bool:
+        """Step 2c of iteration ``iteration`` (1-based): each answer's gold reward, kept for
+        the monitor and the samples; True when the smoothed mean over every rank is the
+        best so far (the same decision on every rank: a collective save may follow)."""
+        self.last_gold = None
+        if self.monitor is None or self.monitor.gold_fn is None:
+            return False
+        self.last_gold = self.monitor.gold_of(rollout.prompts, rollout.responses)
+        mean = self.ctx.mean_metrics({"gold": float(self.last_gold.mean())})["gold"]
+        return self.best.update(mean, iteration)
 
     def opener_probe(self, rollout: Rollout):
         """(policy, reference) log P(answer opens with a flattery phrase), (B,) each, or None
@@ -128,7 +181,8 @@ class PPOWatch:
         ref = None
         if mc.reference_every and it % mc.reference_every == 0:
             ref = self.reference_rollout(rollout, iteration)
-        signals = self.monitor.signals(rollout, metrics, ref, openers)
+        self.last_reference = ref
+        signals = self.monitor.signals(rollout, metrics, ref, openers, self.last_gold)
         signals = self.ctx.mean_metrics(signals)
         alerts = self.monitor.check(it, signals)
         for alert in alerts:
@@ -139,6 +193,41 @@ class PPOWatch:
             elif mc.response == "stop" and self.stop_reason is None:
                 self.stop_reason = f"{alert.message()} (monitor.response=stop)"
         return {**{f"monitor/{k}": v for k, v in signals.items()}, "monitor/alerts": len(alerts)}
+
+    def sample_extras(self, n: int) -> list[dict]:
+        """For the first ``n`` answers of the last rollout: their gold reward, and the
+        reference's answer to the same prompt with its proxy score, per-component scores and
+        gold (each where this iteration has it)."""
+        out: list[dict] = [{} for _ in range(n)]
+        if self.last_gold is not None:
+            for i, row in enumerate(out):
+                row["gold"] = float(self.last_gold[i])
+        ref = self.last_reference
+        if ref is None or n == 0:
+            return out
+        n = min(n, len(ref))
+        batch = RewardBatch(
+            ref.prompts[:n],
+            ref.responses[:n],
+            ref.sequences[:n],
+            ref.attention_mask[:n],
+            ref.ended[:n],
+        )
+        with torch.no_grad():
+            scored = self.cast.reward(batch)
+        gold = (
+            self.monitor.gold_of(batch.prompts, batch.responses)
+            if self.last_gold is not None
+            else None
+        )
+        for i in range(n):
+            out[i]["reference"] = {
+                "response": ref.responses[i],
+                "score": float(scored.score[i]),
+                "components": {k: float(v[i]) for k, v in scored.components.items()},
+                **({"gold": float(gold[i])} if gold is not None else {}),
+            }
+        return out
 
     def new_alerts(self, iteration: int) -> list[dict]:
         """The alerts raised at ``iteration`` (1-based), as the run log writes them."""

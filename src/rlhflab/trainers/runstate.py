@@ -1,5 +1,6 @@
 """Checkpoints of a PPO-family trainer (any ``ppo.advantage_estimator``): its trained
-models and state, written and read back. The loop that calls them is :mod:`~.loop`.
+models and state, written and read back (the loop that calls them is :mod:`~.loop`); and
+its trained models wrapped for data parallelism (:func:`wrap_for_parallel`).
 
 Under torchrun only rank 0 writes logs, samples and
 checkpoint files; every rank takes part in gathering sharded (FSDP) weights and optimiser
@@ -16,9 +17,42 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rlhflab.config import Config
+from rlhflab.config import Config, ConfigError
 from rlhflab.infra import checkpoint as C
-from rlhflab.infra.distributed import full_state_dict, load_full_state_dict
+from rlhflab.infra.distributed import (
+    full_state_dict,
+    load_full_state_dict,
+    shard,
+    wrap_trained,
+)
+
+
+def wrap_for_parallel(cfg: Config, ctx, cast):
+    """Wrap (DDP) or shard (FSDP2) the trained models of ``cast`` before their optimisers
+    exist; returns (policy, critic or None) as the training forward calls them. Settings
+    that cannot work with several processes are refused first."""
+    strategy = cfg.dist.strategy
+    fsdp = ctx.enabled and strategy == "fsdp"
+    if ctx.enabled and cfg.ppo.step_in_backward:
+        raise ConfigError(
+            "ppo.step_in_backward: with several processes the gradients are averaged "
+            "across ranks after the backward; updating during it is single-process only"
+        )
+    if fsdp and cast.shared and cfg.rollout.logprobs_from_sampling:
+        raise ConfigError(
+            "rollout.logprobs_from_sampling: with a shared backbone under fsdp the value "
+            "head's weights are sharded outside the sampling pass; use ddp, a separate "
+            "critic, or turn it off"
+        )
+    if fsdp and (cfg.model.lora_r or cfg.model.critic_lora_r):
+        raise ConfigError("dist.strategy: LoRA with fsdp is not supported; use ddp")
+    policy = wrap_trained(cast.policy, ctx, strategy, cfg.dist.mixed_precision)
+    critic = None
+    if cast.critic_values is not None:
+        critic = wrap_trained(cast.critic_values, ctx, strategy, cfg.dist.mixed_precision)
+    if fsdp and cfg.dist.shard_reference and isinstance(cast.reference, torch.nn.Module):
+        shard(cast.reference)
+    return policy, critic
 
 
 def gathered_rng(gens: dict[str, torch.Generator], ctx) -> list:
@@ -40,9 +74,17 @@ class CastCheckpoints:
         self.run_dir = run_dir
         self.fsdp = fsdp  # sharded weights: gathered to save, broadcast from rank 0 to load
 
-    def save(self, iteration: int, state_dict: Callable[[], dict], name: str | None = None) -> Path:
+    def save(
+        self,
+        iteration: int,
+        state_dict: Callable[[], dict],
+        name: str | None = None,
+        optimizers: bool = True,
+    ) -> Path:
         """Write checkpoints/step-N (or ``name``) with the weights and ``state_dict()``
-        (collective under torchrun; files from rank 0 only)."""
+        (collective under torchrun; files from rank 0 only). ``optimizers=False`` leaves the
+        optimisers' states out (``optimizer.pt`` holds none): a checkpoint to export, not to
+        resume from."""
         strategy = self.cfg.dist.strategy
         policy_state = full_state_dict(self.cast.policy, self.ctx, strategy)
         critic_state = (
@@ -51,6 +93,8 @@ class CastCheckpoints:
             else None
         )
         state = state_dict()
+        if not optimizers:
+            state = {k: v for k, v in state.items() if k not in C.OPTIMIZER_KEYS}
         path = Path(self.run_dir) / "checkpoints" / (name or f"step-{iteration}")
         if self.ctx.is_main:
             path = C.save_checkpoint(

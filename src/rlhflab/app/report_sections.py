@@ -1,0 +1,214 @@
+"""The run report's samples, reward-model checks and config sections (the verdict and the
+tables are in :mod:`~.report_parts`); each returns an HTML fragment."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+from rlhflab.app.report_parts import esc, num, table
+from rlhflab.infra.runlog import read_json
+
+
+def rm_checks(config: dict, run: Path) -> str:
+    """The held-out checks ``rlhflab rm`` wrote beside the run's reward model, found where
+    the run's config names it: as written (from the current directory), from the folder the
+    run was started in, and beside the run directory. Where none has it, the section says
+    where it looked. '' when the run has no reward model."""
+    folder = (config.get("reward") or {}).get("model")
+    if not folder:
+        return ""
+    tried = _rm_candidates(Path(folder), config, run)
+    path = next((p for p in tried if p.is_file()), None)
+    head = "<h2 id='rm'>Reward model checks</h2>"
+    if path is None:
+        where = "".join(f"<li><code>{esc(p)}</code></li>" for p in tried)
+        return (
+            head + f"<p>No rm_checks.json for the reward model <code>{esc(folder)}</code> "
+            f"(a model trained before the checks, or one not trained by "
+            f"<code>rlhflab rm</code>). Looked in:</p><ul>{where}</ul>"
+        )
+    from rlhflab.diagnostics.rm_checks import gold_warning, length_warning
+
+    checks = read_json(path)
+    if not isinstance(checks, dict):
+        return head + f"<p>{esc(path)} cannot be read.</p>"
+    keys = ("accuracy", "calibration_error", "longer_preferred")
+    keys += ("longer_preferred_by_labels", "score_length_corr")
+    body = table(
+        ["reward", *keys],
+        [[name, *(num(row.get(k)) for k in keys)] for name, row in checks.items()],
+    )
+
+    def numbers(row: str) -> dict:
+        return {k: (float("nan") if v is None else v) for k, v in checks.get(row, {}).items()}
+
+    reward = numbers("reward")
+    warnings = [
+        length_warning(reward) if "longer_preferred" in reward else None,
+        gold_warning(numbers("reward_vs_gold")),
+    ]
+    note = "".join(f"<p><b>{esc(w)}</b></p>" for w in warnings if w)
+    return (
+        head + f"<p class='m'>{esc(path)}, held-out pairs (docs/ppo.md, 'Is the reward "
+        "model any good?')</p>" + body + note
+    )
+
+
+def _rm_candidates(folder: Path, config: dict, run: Path) -> list[Path]:
+    out = [(folder / "rm_checks.json").resolve()]
+    if not folder.is_absolute():
+        # the run was started in the folder that its log.output_dir is relative to
+        written = Path(str((config.get("log") or {}).get("output_dir") or ""))
+        parts = run.resolve().parts
+        k = len(written.parts)
+        if written.parts and not written.is_absolute() and parts[-k:] == written.parts:
+            out.append(Path(*parts[:-k]) / folder / "rm_checks.json")
+        out.append(run.resolve().parent / folder.name / "rm_checks.json")
+    return list(dict.fromkeys(out))  # each once, in order
+
+
+def config_section(config: dict, defaults: dict) -> str:
+    """The settings that differ from the defaults first, then the whole config folded
+    (non-ASCII shown as text)."""
+    mine = [(k, v, defaults.get(k, "(no default)")) for k, v in _flat(config).items()]
+    mine = [(k, v, d) for k, v, d in mine if v != d]
+    rows = [[k, _show(v), _show(d)] for k, v, d in mine]
+    text = yaml.safe_dump(config, sort_keys=False, allow_unicode=True)
+    lines = text.count("\n")
+    own = (
+        table(["setting", "this run", "default"], rows)
+        if rows
+        else "<p>Every setting is at its default.</p>"
+    )
+    return (
+        f"<h2 id='config'>Config</h2><h3>Your settings ({len(rows)} differ from the "
+        f"defaults)</h3>{own}<details><summary>The whole config ({lines} lines, as "
+        f"config.yaml holds it)</summary><pre>{esc(text)}</pre></details>"
+    )
+
+
+def _flat(config: dict) -> dict:
+    """section.field → value (a field's own mapping, such as reward.heads, kept whole)."""
+    out = {}
+    for k, v in config.items():
+        if isinstance(v, dict):
+            out.update({f"{k}.{f}": x for f, x in v.items()})
+        else:
+            out[k] = v
+    return out
+
+
+def flat_defaults(stage: str) -> dict:
+    """The flattened defaults of a stage's config (ppo, grpo, rloo, dpo, sft, rm)."""
+    from rlhflab.config import Config
+    from rlhflab.config.base import to_dict
+    from rlhflab.config.stages import STAGE_DEFAULTS
+
+    out = _flat(to_dict(Config()))
+    out.update(_flat(STAGE_DEFAULTS.get(stage, {})))
+    return out
+
+
+def _show(v) -> str:
+    if isinstance(v, (dict, list)):
+        return json.dumps(v, ensure_ascii=False)
+    return "null" if v is None else str(v)
+
+
+def head_weights(config: dict, names: list[str]) -> dict[str, float | None]:
+    """Each reward component's weight in the optimised score, None for one outside it: a
+    reward-model head ``rm/<h>`` is in it when reward.heads names it (or is empty: every
+    head, weight 1); a reward function's parts carry its reward.functions weight; a part
+    the config cannot place (a Python API reward) counts as in it, weight unknown (nan)."""
+    reward = config.get("reward") or {}
+    heads, functions = reward.get("heads") or {}, reward.get("functions") or {}
+    out: dict[str, float | None] = {}
+    for name in names:
+        if name.startswith("rm/"):
+            h = name[3:]
+            out[name] = float(heads[h]) if h in heads else (None if heads else 1.0)
+        else:
+            out[name] = float(functions[name]) if name in functions else float("nan")
+    return out
+
+
+def _parts(components: dict, weights: dict) -> str:
+    def one(k: str, v: float) -> str:
+        w = weights.get(k)
+        times = "" if w is None or w != w else f" ×{w:g}"
+        return f"{esc(k.removeprefix('rm/'))} {v:.2f}{times}"
+
+    inside = [one(k, v) for k, v in components.items() if weights.get(k, 1.0) is not None]
+    outside = [one(k, v) for k, v in components.items() if weights.get(k, 1.0) is None]
+    text = ", ".join(inside)
+    if outside:
+        text += "; not optimised: " + ", ".join(outside)
+    return text
+
+
+def _answer(who: str, row: dict, weights: dict, kl: float | None = None) -> str:
+    facts = [f"proxy <b>{row['score']:.3f}</b>"] if isinstance(row.get("score"), float) else []
+    if isinstance(row.get("gold"), float):
+        facts.append(f"gold <b>{row['gold']:.3f}</b>")
+    if kl is not None:
+        facts.append(f"KL {kl:.2f}")
+    parts = _parts(row.get("components") or {}, weights)
+    return (
+        f"<div class='sa'><h4>{who}</h4><pre>{esc(row.get('response', ''))}</pre>"
+        f"<p>{' · '.join(facts)}</p><p class='m'>{parts}</p></div>"
+    )
+
+
+def _span(its: list[int]) -> str:
+    if len(its) == 1:
+        return f"Iteration {its[0]}"
+    return f"Iterations {its[0]}–{its[-1]} ({len(its)} logged)"
+
+
+def samples_section(samples: list[dict], config: dict) -> str:
+    """Sample answers with their proxy score and its parts, gold reward and KL, beside the
+    reference's answer to the same prompt where the run sampled it: the first and last
+    logged iterations open, the ones between folded."""
+    head = "<h2 id='samples'>Samples</h2>"
+    if not samples:
+        return head + "<p>No samples logged (log.samples_per_log = 0?).</p>"
+    names = sorted({k for s in samples for k in (s.get("components") or {})})
+    weights = head_weights(config, names)
+    by_it: dict[int, list[dict]] = {}
+    for s in samples:
+        by_it.setdefault(s["iteration"], []).append(s)
+
+    def block(it: int) -> str:
+        cards = []
+        for s in by_it[it]:
+            ref = s.get("reference")
+            pair = _answer("policy", s, weights, s.get("kl"))
+            pair += _answer("reference, same prompt", ref, weights) if ref else ""
+            cards.append(
+                f"<div class='smp'><p class='q'>prompt: <code>{esc(s['prompt'])}</code></p>"
+                f"<div class='pair'>{pair}</div></div>"
+            )
+        return f"<h3>Iteration {it}</h3>" + "".join(cards)
+
+    its = sorted(by_it)
+    shown = [its[0]] + ([its[-1]] if len(its) > 1 else [])
+    between = [it for it in its if it not in shown]
+    out = head + block(its[0])
+    if between:
+        out += (
+            f"<details><summary>{_span(between)}</summary>"
+            + "".join(block(it) for it in between)
+            + "</details>"
+        )
+    if len(its) > 1:
+        out += block(its[-1])
+    no_ref = not any(s.get("reference") for s in samples)
+    if no_ref:
+        out += (
+            "<p class='m'>No reference answers: runs from before 2026-12-06 did not log them, "
+            "and monitor.reference_every = 0 does not sample them.</p>"
+        )
+    return out

@@ -1,0 +1,74 @@
+"""``run.json``: the facts of a run that its metrics do not carry, for the report and for
+anyone comparing runs later: when it started and finished, its wall time, the versions of
+rlhflab, torch and Python, the machine and its CPU (and GPU), and what the trainer adds
+(model sizes; a PPO run's gold-reward story, :mod:`rlhflab.diagnostics.gold_curve`).
+
+Written when the run starts (so a crashed run still says what it ran on) and again when it
+ends, each time whole and atomically (a temporary file renamed over the old one).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from datetime import datetime
+from pathlib import Path
+
+import torch
+
+import rlhflab
+from rlhflab.infra.runlog import read_json
+
+RUN_INFO = "run.json"
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux's /proc/cpuinfo), else what ``platform`` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def machine_facts() -> dict:
+    """Versions and hardware of this process: what a timing or a result depends on."""
+    facts = {
+        "rlhflab": rlhflab.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(terse=True),
+        "cpu": cpu_name(),
+        "cpu_cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+    }
+    if torch.cuda.is_available():
+        facts["gpu"] = torch.cuda.get_device_name(0)
+    return facts
+
+
+def now() -> str:
+    """The local time with its UTC offset, to the second (ISO 8601)."""
+    return datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+def read_run_info(run_dir: str | Path) -> dict | None:
+    """The run's run.json, or None where there is none (a run from before 2026-12-06) or it
+    cannot be read (a warning says so)."""
+    path = Path(run_dir) / RUN_INFO
+    if not path.is_file():
+        return None
+    info = read_json(path)
+    return info if isinstance(info, dict) else None
+
+
+def write_run_info(run_dir: str | Path, info: dict) -> Path:
+    """Replace the run's run.json with ``info`` in one rename."""
+    path = Path(run_dir) / RUN_INFO
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(info, indent=2, ensure_ascii=False, default=str), encoding="utf-8")
+    os.replace(tmp, path)
+    return path
