@@ -12,6 +12,7 @@ from rlhflab.backends.lean import make_activations_lean
 from rlhflab.backends.native import KVCache, apply_rotary, attention_mask_4d
 from rlhflab.backends.native_config import NativeConfigError, read_config
 from rlhflab.backends.native_models import load_native, read_safetensors
+from rlhflab.infra.checkpoint import CheckpointError
 from rlhflab.models.presets import build_preset, preset_path
 from tests.test_lean import tiny_llama
 
@@ -408,9 +409,11 @@ def test_resume_copies_each_saved_tensor_into_the_model_and_names_a_mismatch(tmp
     bad.mkdir()
     name = "model.norm.weight"
     save_file({**saved, name: torch.ones(3)}, str(bad / "model.safetensors"))
-    with pytest.raises(RuntimeError, match=rf"model.safetensors: tensor '{name}' has shape \[3\]"):
+    with pytest.raises(
+        CheckpointError, match=rf"model.safetensors: tensor '{name}' has shape \[3\]"
+    ):
         load_weights_into(model, bad)
     rest = {k: v for k, v in saved.items() if k != name}
     save_file({**rest, "extra": torch.ones(1)}, str(bad / "model.safetensors"))
-    with pytest.raises(RuntimeError, match=rf"missing \['{name}'\], unexpected \['extra'\]"):
+    with pytest.raises(CheckpointError, match=rf"missing \['{name}'\], unexpected \['extra'\]"):
         load_weights_into(model, bad)
