@@ -62,29 +62,6 @@ class SFTConfig:
         low_open=True,
     )
     warmup_steps: int = setting(30, "Linear warm-up steps, then cosine decay.", low=0)
-    ensemble_size: int = setting(
-        1,
-        "Train k reward models in one command, for reward.ensemble: member i goes to "
-        "OUTPUT_DIR/member-i with seed = seed + i (the head's initialisation, the batch order "
-        "and, with the built-in pairs, the pairs and their held-out split differ). 1: one "
-        "model in OUTPUT_DIR.",
-        low=1,
-    )
-    length_head: bool = setting(
-        False,
-        "ODIN (Chen et al. 2024, 'ODIN: Disentangled Reward Mitigates Hacking in RLHF'): add "
-        "a head 'length'; each other head's Bradley-Terry loss is taken on its score plus "
-        "the length head's, and a batch Pearson-correlation loss decorrelates the other "
-        "heads from answer length (tokens) while pushing the length head's correlation up, "
-        "with an orthogonality loss between their weight rows. PPO gives the 'length' head "
-        "weight 0 unless reward.heads names it. Cost: negligible (one more output).",
-    )
-    length_loss_weight: float = setting(
-        1.0, "Weight of ODIN's correlation loss (rm.length_head); not tuned here.", low=0.0
-    )
-    orthogonal_weight: float = setting(
-        1.0, "Weight of ODIN's head-orthogonality loss (rm.length_head); not tuned here.", low=0.0
-    )
     checkpoint_every: int = setting(
         200,
         "Checkpoint every N steps (and at the end) into OUTPUT_DIR/run/checkpoints, with "
