@@ -73,6 +73,19 @@ class Trainer:
 
         return [wrap(cb) for cb in self.callbacks]
 
+    def _run_inputs(self, output_dir, model, tokenizer) -> Path:
+        """The run directory (``log.output_dir``) set, the policy given as ``model`` (None:
+        the config's ``model.policy``) put where the config can name it; the run's
+        ``inputs/`` folder."""
+        cfg = self.config
+        if output_dir is not None:
+            cfg.log.output_dir = str(output_dir)
+        inputs = Path(cfg.log.output_dir) / "inputs"
+        if model is not None:
+            folder = I.model_folder(model, tokenizer, inputs / "policy", "model", self.resume)
+            cfg.model.policy = folder
+        return inputs
+
     def _start(self, engine) -> None:
         self.engine = engine
         engine.step_hooks = self._hooks()
@@ -138,13 +151,9 @@ class PPOTrainer(Trainer):
     ):
         super().__init__(config, overrides, callbacks, resume)
         cfg = self.config
-        if output_dir is not None:
-            cfg.log.output_dir = str(output_dir)
-        inputs = Path(cfg.log.output_dir) / "inputs"
-        if model is not None:  # None: the config's model.policy
-            cfg.model.policy = I.model_folder(model, tokenizer, inputs / "policy", "model", resume)
+        inputs = self._run_inputs(output_dir, model, tokenizer)
         rewards = I.apply_rewards(cfg, reward, reward_tokenizer or tokenizer, inputs, resume)
-        split = getattr(cfg.data, "split", "train")
+        split = cfg.data.split
         prompt_file = I.rows_file(prompts, inputs / "prompts.jsonl", "prompts", split, I.prompt_row)
         if prompt_file is not None:
             cfg.data.prompts = prompt_file
@@ -211,12 +220,8 @@ class DPOTrainer(Trainer):
     ):
         super().__init__(config, overrides, callbacks, resume)
         cfg = self.config
-        if output_dir is not None:
-            cfg.log.output_dir = str(output_dir)
-        inputs = Path(cfg.log.output_dir) / "inputs"
-        if model is not None:  # None: the config's model.policy
-            cfg.model.policy = I.model_folder(model, tokenizer, inputs / "policy", "model", resume)
-        split = getattr(cfg.data, "split", "train")
+        inputs = self._run_inputs(output_dir, model, tokenizer)
+        split = cfg.data.split
         data = I.rows_file(pairs, inputs / "pairs.jsonl", "pairs", split, I.pair_row)
         if data is not None:
             cfg.dpo.data = data
@@ -277,7 +282,7 @@ class SFTTrainer(_ModelOut):
         inputs, cfg.model.policy = self._setup(
             output_dir, model, tokenizer, resume, cfg.model.policy
         )
-        split = getattr(cfg.data, "split", "train")
+        split = cfg.data.split
         rows = I.rows_file(data, inputs / "sft.jsonl", "data", split, I.sft_row)
         if rows is not None:
             cfg.sft.data = rows
@@ -314,7 +319,7 @@ class RewardTrainer(_ModelOut):
         super().__init__(config, overrides, callbacks, resume)
         cfg = self.config
         inputs, cfg.rm.init = self._setup(output_dir, model, tokenizer, resume, cfg.rm.init)
-        split = getattr(cfg.data, "split", "train")
+        split = cfg.data.split
         rows = I.rows_file(pairs, inputs / "pairs.jsonl", "pairs", split, I.pair_row)
         if rows is not None:
             cfg.rm.data = rows
