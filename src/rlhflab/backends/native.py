@@ -139,6 +139,15 @@ class KVCache:
         self.keys = [k.repeat_interleave(n, 0) for k in self.keys]
         self.values = [v.repeat_interleave(n, 0) for v in self.values]
 
+    def rows(self, rows: torch.Tensor, length: int) -> KVCache:
+        """A new cache holding rows ``rows`` (int64) and the first ``length`` positions of
+        this one, copied (the opener probe keeps a rollout's prompts this way)."""
+        out = KVCache()
+        out.keys = [k[rows, :, :length] for k in self.keys]
+        out.values = [v[rows, :, :length] for v in self.values]
+        out.lengths = [length] * len(self.keys)
+        return out
+
 
 def _grown(buffer: torch.Tensor, filled: int, capacity: int) -> torch.Tensor:
     """A (B, heads, capacity, d) buffer holding ``buffer``'s first ``filled`` positions."""
@@ -273,10 +282,14 @@ def _unused(_packed) -> None:
 def attention_mask_4d(attention_mask: torch.Tensor, q_len: int) -> torch.Tensor | None:
     """(B, T) 0/1 key mask → (B, 1, q_len, T) bool, causal over the last q_len positions;
     None when nothing is padded and there is no cache (SDPA's own causal kernel then).
+    A (B, 1, q_len, T) mask is taken as it is (True: may attend; the opener probe's
+    tree-shaped mask), as transformers takes a 4-D mask.
 
     A query may see key j when j is a real token at or before it; every query also sees
     itself, so a pad query's row is never empty (an empty row would be NaN in SDPA).
     """
+    if attention_mask.dim() == 4:
+        return attention_mask.bool()
     B, T = attention_mask.shape
     if T == q_len and bool(attention_mask.all()):
         return None

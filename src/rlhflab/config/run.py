@@ -108,9 +108,9 @@ class MonitorConfig:
     flattery_opener_ratio: float | None = setting(
         1.3,
         "Alert when the policy is this many times likelier than the reference to open an "
-        "answer with a listed phrase (forced decoding on the batch's prompts: one no-grad "
-        "pass of policy and reference, the prompts' KV cache shared by the phrases; None = "
-        "not computed).",
+        "answer with a listed phrase (forced decoding on the batch's prompts: the phrases' "
+        "tokens run after the prompts' KV caches that sampling and scoring keep, once per "
+        "distinct prompt and model; None = not computed).",
         low=0.0,
         low_open=True,
     )

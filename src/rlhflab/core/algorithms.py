@@ -33,6 +33,7 @@ __all__ = [
     "entropy_from_logits",
     "group_advantages",
     "kl_estimate",
+    "logprobs_at",
     "logprobs_from_logits",
     "masked_mean",
     "masked_var",
@@ -154,6 +155,19 @@ def logprobs_from_logits(
     z = _scaled(logits, temperature)
     picked = torch.gather(z, -1, tokens.long().unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(z, dim=-1)
+
+
+def logprobs_at(
+    logits: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """log π(tokens[m]) under softmax(logits[:, positions[m]] / temperature), every row.
+
+    logits: (B, S, V); positions, tokens: (M,) int64 → (B, M). One position may be read for
+    several tokens (the branches of a token tree: the opener probe's spellings); each
+    position's logsumexp is computed once. As :func:`logprobs_from_logits` otherwise.
+    """
+    z = _scaled(logits, temperature)
+    return z[:, positions, tokens] - torch.logsumexp(z, dim=-1)[:, positions]
 
 
 def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

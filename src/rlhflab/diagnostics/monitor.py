@@ -168,7 +168,7 @@ class HackingMonitor:
         same prompts (anything with ``response_mask`` and ``responses``), or None when it
         was not sampled this iteration (then the baseline-relative signals are absent).
         ``openers``: (policy, reference) log-probabilities (B,) of opening with a listed
-        phrase on the batch's prompts (``rollout.opener_logprobs``), or None. ``gold``: each
+        phrase on the batch's prompts (``experience.opener.opener_logprobs``), or None. ``gold``: each
         answer's gold reward (B,) where the caller has scored it already (:meth:`gold_of`)."""
         mc, st = self.cfg, self.state
         mask = rollout.response_mask.bool()

@@ -17,7 +17,7 @@ import torch
 from rlhflab import models as M
 from rlhflab.core import algorithms as A
 from rlhflab.experience.rewards import RewardBatch
-from rlhflab.experience.sampling import SamplingScores, cache_kwarg, sample
+from rlhflab.experience.sampling import PromptCaches, SamplingScores, cache_kwarg, sample
 
 
 @dataclass
@@ -74,10 +74,12 @@ def generate_rollout(
     ignore_eos: bool = False,
     scores: SamplingScores | None = None,
     autocast=contextlib.nullcontext,
+    prompt_caches: PromptCaches | None = None,
 ) -> Rollout:
     """Sample one answer per prompt; with ``scores``, the rollout also carries the sampling
     pass's old log-probs and entropy (and values), and scoring skips the policy forward.
-    ``autocast``: the context sampling runs in (``ModelCast.autocast`` for the policy)."""
+    ``autocast``: the context sampling runs in (``ModelCast.autocast`` for the policy).
+    ``prompt_caches`` keeps the prompts' KV cache for the monitor's opener probe."""
     encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
     prompt_ids, prompt_mask = left_pad(encoded, tokenizer.pad_token_id)
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
@@ -95,6 +97,7 @@ def generate_rollout(
             generator,
             all_done,
             scores,
+            prompt_caches,
         )
     texts = tokenizer.batch_decode(resp, skip_special_tokens=True)
     rollout = Rollout(prompt_ids, prompt_mask, resp, resp_mask, ended, list(prompts), texts)
@@ -161,6 +164,7 @@ def score_rollout(
     micro_batch: int,
     policy_forward: bool = True,
     critic_forward: bool = True,
+    prompt_caches: PromptCaches | None = None,
 ) -> Rollout:
     """Fill old/ref log-probs, values, entropy and scores, micro-batched, without gradients.
 
@@ -173,6 +177,9 @@ def score_rollout(
     as they are: the sampling pass filled them (``rollout.logprobs_from_sampling``) or the
     training forward will (``ppo.reuse_training_forward``). ``critic_forward=False`` leaves
     a separate critic's values to its training forward (``ppo.values_from_training_forward``).
+    ``prompt_caches`` keeps the reference's KV cache of the prompts and its logits at the
+    last prompt position for the monitor's opener probe (the forward keeps its cache then;
+    its outputs are the same).
     """
     if not policy_forward and cast.shared and rollout.values is None:
         raise ValueError("score_rollout: a shared backbone's values need the policy forward")
@@ -181,13 +188,19 @@ def score_rollout(
         score_policy(cast, rollout, temperature, micro_batch)
     critic = cast.critic_values if critic_forward else None
     parts: dict[str, list] = {"ref": [], "val": []}
+    P, keep = rollout.prompt_ids.shape[1], prompt_caches is not None
     for s in range(0, len(rollout), micro_batch):
         ids, am = seqs[s : s + micro_batch], mask[s : s + micro_batch]
         resp = rollout.response_ids[s : s + micro_batch]
         T = resp.shape[1]
         with cast.reference_autocast():
-            ref_logits = M.causal_forward(cast.reference, ids, am, keep_last=T + 1).logits
-        parts["ref"].append(A.logprobs_from_logits(ref_logits[:, :T], resp, temperature))
+            out = M.causal_forward(cast.reference, ids, am, keep_last=T + 1, use_cache=keep)
+        parts["ref"].append(A.logprobs_from_logits(out.logits[:, :T], resp, temperature))
+        if keep:  # the first kept logits (position P − 1) predict the answer's first token
+            cache = getattr(out, cache_kwarg(cast.reference))
+            prompt_caches.keep(cache, out.logits[:, 0], ids[:, :P], am[:, :P], offset=s)
+            del cache
+        del out  # not alive during the next micro-batch's forward
         if critic is not None:
             with cast.autocast():
                 parts["val"].append(answer_values(critic, ids, am, T))
@@ -223,73 +236,3 @@ def score_policy(cast, rollout: Rollout, temperature: float, micro_batch: int) -
     if parts["val"][0] is not None:  # shared backbone
         rollout.values = torch.cat(parts["val"])
     return rollout
-
-
-@torch.no_grad()
-def opener_logprobs(
-    model,
-    tokenizer,
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    phrases: list[str],
-    temperature: float,
-    micro_batch: int,
-    max_tokens: int = 4,
-) -> torch.Tensor:
-    """log P(the answer opens with one of ``phrases`` | prompt), per prompt, by forced decoding.
-
-    model: a causal LM (the policy's LM, or the reference). prompt_ids, prompt_mask: (B, P)
-    left-padded as in a Rollout. Each phrase is tokenized on its own (as SFT tokenizes
-    answers), with and without a leading space, and scored as the first answer tokens; the
-    probabilities are summed (logsumexp over the K spellings). Sampling's top-k/top-p
-    truncation is ignored, as in training. Each spelling is cut to its first ``max_tokens``
-    tokens (the prefix's probability bounds the phrase's from above; once a model has begun
-    "What a won…" the rest is nearly certain, and cost grows with the longest spelling).
-    micro_batch counts prompts. Returns (B,) float32. No sampling: the same
-    weights and prompts give the same number, so a drift in it is the model's, not the dice's.
-
-    Cost: each prompt runs once and its KV cache is repeated for the K spellings, so the
-    probe reads B·P + B·K·L tokens (L: the longest cut spelling), not B·K·(P + L).
-    """
-    # answers often start with a space (" Great question!"), which BPE folds into the first
-    # token: score both spellings; their first tokens differ, so the probabilities add
-    variants = [v for p in phrases for v in (p, " " + p.lstrip())]
-    cut = [
-        tuple(tokenizer(v, add_special_tokens=False)["input_ids"][:max_tokens]) for v in variants
-    ]
-    # a phrase given with its leading space, or two phrases alike in their first tokens,
-    # would otherwise count the same opening twice
-    enc = list(dict.fromkeys(cut))
-    if not all(enc):
-        raise ValueError("monitor.phrases: a phrase tokenizes to nothing")
-    K, L = len(enc), max(len(e) for e in enc)
-    phrase_ids = torch.full((K, L), tokenizer.pad_token_id, dtype=torch.long)
-    phrase_mask = torch.zeros((K, L), dtype=torch.long)
-    for k, e in enumerate(enc):
-        phrase_ids[k, : len(e)], phrase_mask[k, : len(e)] = torch.tensor(e), 1
-    device, cache_key, out = prompt_ids.device, cache_kwarg(model), []
-    phrase_ids, phrase_mask = phrase_ids.to(device), phrase_mask.to(device)
-    for s in range(0, prompt_ids.shape[0], micro_batch):
-        ids, mask = prompt_ids[s : s + micro_batch], prompt_mask[s : s + micro_batch]
-        b = ids.shape[0]
-        positions = M.position_ids_from_mask(mask)
-        first = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-        cache = getattr(first, cache_key)
-        cache.batch_repeat_interleave(K)  # row i*K + k: prompt i, then spelling k
-        resp, resp_mask = phrase_ids.repeat(b, 1), phrase_mask.repeat(b, 1)
-        rest = model(
-            input_ids=resp,
-            attention_mask=torch.cat([mask.repeat_interleave(K, 0), resp_mask.to(mask.dtype)], 1),
-            position_ids=positions[:, -1:].repeat_interleave(K, 0)
-            + 1
-            + torch.arange(L, device=device),
-            use_cache=True,
-            **{cache_key: cache},
-        )
-        # the prompt's last logit predicts the first phrase token, the phrase's own the rest
-        logits = torch.cat(
-            [first.logits[:, -1:].repeat_interleave(K, 0), rest.logits[:, : L - 1]], 1
-        )
-        lp = A.logprobs_from_logits(logits, resp, temperature)
-        out.append((lp.float() * resp_mask).sum(1).view(b, K))
-    return torch.logsumexp(torch.cat(out), dim=1)

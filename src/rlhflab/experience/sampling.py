@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -74,6 +75,82 @@ class SamplingScores:
             rollout.values = torch.stack(self.values, 1)
 
 
+@dataclass
+class PromptPrefix:
+    """Distinct prompts of a rollout as a forward over them left them: its KV cache cut back
+    to the P prompt positions (a copy, of these rows only) and the logits at the last prompt
+    position (b, V), which predict the answer's first token. ``rows``: (b,) the rollout rows
+    they are (int64)."""
+
+    rows: torch.Tensor
+    cache: object
+    first_logits: torch.Tensor
+
+
+class PromptCaches:
+    """What the monitor's opener probe (``rlhflab.experience.opener``) takes from a forward
+    the iteration runs anyway over the prompts, so that it need not run them again: the
+    sampling pass's prefill (the policy's, filled by :func:`sample`) or the scoring forward
+    (the reference's, ``rollout.score_rollout``).
+
+    Each distinct prompt is kept once (GRPO repeats each G times; ``distinct=False`` keeps
+    every row: under FSDP every rank must then run as many probe forwards as the others),
+    in parts of at most ``chunk`` prompts (rollout.score_micro_batch: one probe forward
+    each). ``parts`` stays None for a cache this cannot copy rows of (a sliding-window or
+    quantised cache): the probe then runs the prompts itself.
+    """
+
+    def __init__(self, chunk: int, distinct: bool = True):
+        self.chunk, self.distinct = chunk, distinct
+        self.parts: list[PromptPrefix] | None = []
+
+    def keep(self, cache, first_logits, prompt_ids, prompt_mask, offset: int = 0) -> None:
+        """Keep rows of ``cache`` (over prompt_ids (b, P), left-padded, and maybe more
+        positions after them) and ``first_logits`` (b, V); ``offset``: the rollout row of
+        row 0."""
+        if self.parts is None:
+            return
+        rows = distinct_rows(prompt_ids, prompt_mask)[0] if self.distinct else None
+        if rows is None:
+            rows = torch.arange(prompt_ids.shape[0], device=prompt_ids.device)
+        for s in range(0, len(rows), self.chunk):
+            part = rows[s : s + self.chunk]
+            kept = cache_rows(cache, part, prompt_ids.shape[1])
+            if kept is None:
+                self.parts = None
+                return
+            self.parts.append(PromptPrefix(part + offset, kept, first_logits[part]))
+
+
+def distinct_rows(prompt_ids, prompt_mask) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first, same): the first row of each distinct prompt (U,), and for every row the
+    first row with its prompt (B,); prompts (B, P) left-padded as in a rollout."""
+    B = prompt_ids.shape[0]
+    _, inverse = torch.unique(
+        torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], 1), dim=0, return_inverse=True
+    )
+    order = torch.arange(B, device=prompt_ids.device)
+    firsts = torch.full((B,), B, device=prompt_ids.device).scatter_reduce(0, inverse, order, "amin")
+    same = firsts[inverse]
+    return same.unique(), same
+
+
+def cache_rows(cache, rows: torch.Tensor, length: int):
+    """A new KV cache with rows ``rows`` and the first ``length`` positions of ``cache``,
+    copied (the rest is freed with the original); None for a cache kind this does not know:
+    transformers' ``DynamicCache`` of full-attention layers and the native runtime's
+    ``KVCache`` are copied."""
+    if hasattr(cache, "rows"):  # rlhflab.backends.native.KVCache
+        return cache.rows(rows, length)
+    layers = getattr(cache, "layers", None)
+    if type(cache).__name__ != "DynamicCache" or layers is None:
+        return None
+    if any(type(layer).__name__ != "DynamicLayer" for layer in layers):
+        return None  # sliding-window, quantised, linear-attention layers
+    data = [(layer.keys[rows, :, :length], layer.values[rows, :, :length]) for layer in layers]
+    return type(cache)(ddp_cache_data=data)
+
+
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """Top-k then nucleus filtering: removed tokens get −inf. (B, V) → (B, V)."""
     if top_k and top_k < logits.shape[-1]:
@@ -120,6 +197,7 @@ def sample(
     generator: torch.Generator | None = None,
     all_done=None,
     scores: SamplingScores | None = None,
+    prompts: PromptCaches | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample answers with a KV cache. Returns (response_ids, response_mask, ended).
 
@@ -128,6 +206,8 @@ def sample(
     ordinary token: every answer is ``max_new_tokens`` long (benchmarks need equal work).
     ``scores`` records each step's log-prob and entropy (and value) of the drawn token,
     computed from the untruncated distribution at ``temperature``, as training computes them.
+    ``prompts`` keeps the prompts' part of the KV cache and the prefill's logits for the
+    monitor's opener probe, once sampling is done.
     """
     global _warned_truncated
     if (top_k or top_p < 1.0) and not _warned_truncated:
@@ -151,6 +231,7 @@ def sample(
         use_cache=True,
         logits_to_keep=1,
     )
+    first_logits = out.logits[:, -1]  # (B, V): they predict the answer's first token
     next_pos = positions[:, -1:] + 1
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     tokens = []
@@ -179,6 +260,8 @@ def sample(
             **{cache_key: getattr(out, cache_key)},
         )
         next_pos = next_pos + 1
+    if prompts is not None:
+        prompts.keep(getattr(out, cache_key), first_logits, prompt_ids, prompt_mask)
     response = torch.stack(tokens, dim=1)
     # mask: everything up to and including the first EOS
     is_eos = (

@@ -134,18 +134,20 @@ class PPOTrainer:
         """One iteration, steps 1–10; returns its metrics, averaged over every rank."""
         prompts = self._local_share(self.next_prompts())
         reuse = self.reuses_training_forward()  # old log-probs then come from step 8
+        # the monitor's opener probe (2b) extends the prompts' KV caches of steps 1 and 2
+        caches = self.watch.prompt_caches() or {}
         times: dict[str, float] = {}
         # 1. generate (with rollout.logprobs_from_sampling, also the old log-probs)
         t0 = time.perf_counter()
-        rollout = self._generate(prompts, reuse)
+        rollout = self._generate(prompts, reuse, caches.get("policy"))
         times["time/generate"] = time.perf_counter() - t0
         # 2. score: old and reference log-probs, values, reward
         t0 = time.perf_counter()
-        self._score(rollout, reuse)
+        self._score(rollout, reuse, caches.get("reference"))
         times["time/score"] = time.perf_counter() - t0
         # 2b. the monitor's flattery probe, on the weights that sampled this rollout
         t0 = time.perf_counter()
-        openers = self.watch.opener_probe(rollout)
+        openers = self.watch.opener_probe(rollout, caches or None)
         times["time/monitor_probe"] = time.perf_counter() - t0
         # 2c. the batch's gold reward (monitor.gold); log.keep_best keeps the weights that
         # sampled it, before step 8 changes them, when its smoothed mean is the best so far
@@ -206,8 +208,9 @@ class PPOTrainer:
         b = len(prompts) // self.ctx.world
         return prompts[self.ctx.rank * b : (self.ctx.rank + 1) * b]
 
-    def _generate(self, prompts: list[str], reuse: bool) -> Rollout:
-        """Step 1: sample an answer to each prompt with the current policy."""
+    def _generate(self, prompts: list[str], reuse: bool, prompt_caches=None) -> Rollout:
+        """Step 1: sample an answer to each prompt with the current policy (``prompt_caches``:
+        where to keep the prompts' KV cache for the opener probe)."""
         r = self.cfg.rollout
         self.cast.policy.eval()
         return generate_rollout(
@@ -224,16 +227,24 @@ class PPOTrainer:
             ignore_eos=r.ignore_eos,
             scores=self._sampling_scores(reuse),
             autocast=self.cast.autocast,  # model.compute_dtype, as scoring and training
+            prompt_caches=prompt_caches,
         )
 
-    def _score(self, rollout: Rollout, reuse: bool) -> None:
+    def _score(self, rollout: Rollout, reuse: bool, prompt_caches=None) -> None:
         """Step 2: old and reference log-probs, values, reward (a separate critic's values
-        may come from its first training forward, run here and kept for step 8)."""
+        may come from its first training forward, run here and kept for step 8;
+        ``prompt_caches``: where to keep the reference's KV cache of the prompts)."""
         r = self.cfg.rollout
         policy_forward = not reuse and rollout.old_logprobs is None
         critic_now = self.update.critic_forward_kept(len(rollout))
         score_rollout(
-            self.cast, rollout, r.temperature, r.score_micro_batch, policy_forward, not critic_now
+            self.cast,
+            rollout,
+            r.temperature,
+            r.score_micro_batch,
+            policy_forward,
+            not critic_now,
+            prompt_caches,
         )
         if critic_now:
             self.update.keep_critic_forward(rollout)

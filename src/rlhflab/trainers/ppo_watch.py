@@ -18,8 +18,9 @@ import torch
 from rlhflab.config import Config, ConfigError
 from rlhflab.core import algorithms as A
 from rlhflab.diagnostics.monitor import HackingMonitor
+from rlhflab.experience.opener import PromptCaches, opener_logprobs
 from rlhflab.experience.rewards import FunctionReward, RewardBatch
-from rlhflab.experience.rollout import Rollout, generate_rollout, opener_logprobs
+from rlhflab.experience.rollout import Rollout, generate_rollout
 
 log = logging.getLogger(__name__)
 
@@ -101,23 +102,39 @@ class PPOWatch:
         mean = self.ctx.mean_metrics({"gold": float(self.last_gold.mean())})["gold"]
         return self.best.update(mean, iteration)
 
-    def opener_probe(self, rollout: Rollout):
-        """(policy, reference) log P(answer opens with a flattery phrase), (B,) each, or None
-        when the monitor or its flattery_opener_ratio signal is off."""
-        mc, r = self.cfg.monitor, self.cfg.rollout
+    def prompt_caches(self) -> dict[str, PromptCaches] | None:
+        """Where steps 1 and 2 keep the prompts' KV caches for the opener probe: the
+        sampling pass's for the policy, the scoring forward's for the reference; None when
+        the probe is off."""
+        mc = self.cfg.monitor
         if self.monitor is None or mc.flattery_opener_ratio is None or not mc.phrases:
             return None
+        # under FSDP every rank runs as many probe forwards as the others: no skipping of
+        # a rank's repeated prompts there
+        chunk, distinct = self.cfg.rollout.score_micro_batch, self.all_done is None
+        return {role: PromptCaches(chunk, distinct) for role in ("policy", "reference")}
+
+    def opener_probe(self, rollout: Rollout, caches: dict[str, PromptCaches] | None):
+        """(policy, reference) log P(answer opens with a flattery phrase), (B,) each, or None
+        when the monitor or its flattery_opener_ratio signal is off. ``caches``: what
+        :meth:`prompt_caches` gave steps 1 and 2, filled (each serves one probe)."""
+        if caches is None:
+            return None
+        mc, r = self.cfg.monitor, self.cfg.rollout
         args = (rollout.prompt_ids, rollout.prompt_mask, mc.phrases, r.temperature)
         tok, micro = self.cast.tokenizer, r.score_micro_batch
         # every rank's prompts: the signal is a ratio of means over the global batch; each
         # model in the arithmetic it trains or scores in (model.compute_dtype)
         cast, out = self.cast, []
-        for model, autocast in (
-            (cast.policy_lm, cast.autocast),
-            (cast.reference, cast.reference_autocast),
+        for role, model, autocast in (
+            ("policy", cast.policy_lm, cast.autocast),
+            ("reference", cast.reference, cast.reference_autocast),
         ):
-            with autocast():
-                lp = opener_logprobs(model, tok, *args, micro, mc.opener_tokens)
+            kept, distinct = caches[role].parts, caches[role].distinct
+            with autocast():  # (it empties ``kept``: each cache serves one probe)
+                lp = opener_logprobs(
+                    model, tok, *args, micro, mc.opener_tokens, kept, distinct=distinct
+                )
             out.append(self.ctx.all_gather_cat(lp))
         return tuple(out)
 
