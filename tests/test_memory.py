@@ -1,6 +1,7 @@
 """`rlhflab memory`: what one iteration adds to the cast, against what the sampler and a
 real PPO iteration hold."""
 
+import itertools
 import json
 
 import pytest
@@ -77,15 +78,26 @@ def test_kv_cache_bytes_are_what_the_sampler_holds(runtime):
     )
 
 
+LORA_SMALL = [
+    "model.lora_r=4",
+    "model.value_model=shared",
+    "ppo.micro_batch_size=1",
+    "ppo.minibatches=1",
+]
+
+
 def _fixed_length_cfg(tmp_path, *overrides):
-    """Every prompt as long as rollout.max_prompt_tokens and no early EOS: the worst case
-    `rlhflab memory` plans for is then what the run does."""
-    prompt = "copy: apple banana cherry\nanswer:"
-    n_tokens = len(
-        M.load_tokenizer(preset_path("tiny"))(prompt, add_special_tokens=False)["input_ids"]
-    )
+    """Every prompt as long as rollout.max_prompt_tokens, all of a batch's prompts distinct
+    (the opener probe runs a repeated one once) and no early EOS: the worst case `rlhflab
+    memory` plans for is then what the run does."""
+    words = ["apple", "banana", "cherry", "kiwi"]
+    prompts = [f"copy: {' '.join(w)}\nanswer:" for w in itertools.permutations(words)]
+    tok = M.load_tokenizer(preset_path("tiny"))
+    lengths = {len(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts}
+    assert len(lengths) == 1
+    n_tokens = lengths.pop()
     f = tmp_path / "prompts.jsonl"
-    f.write_text(json.dumps({"prompt": prompt}) + "\n")
+    f.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     base = {
         "device": "cpu",
         "model": {"policy": "preset:tiny", "value_model": "separate"},
@@ -114,6 +126,11 @@ def _fixed_length_cfg(tmp_path, *overrides):
         ["monitor.enabled=false"],
         # a LoRA critic: a bf16 frozen backbone, fp32 adapters and head (issue #26)
         ["model.critic_lora_r=4", "model.reference_precision=bf16"],
+        # LoRA, shared head, micro-batches of 1: the opener probe's kept prompt caches set
+        # the peak in scoring (two score micro-batches) and, with short answers and long
+        # spellings, in the monitor's probe itself (issue #27)
+        [*LORA_SMALL, "rollout.score_micro_batch=4"],
+        [*LORA_SMALL, "rollout.max_new_tokens=4", "monitor.opener_tokens=8"],
     ],
 )
 def test_the_estimate_is_what_a_real_iteration_holds_at_its_peak(tmp_path, overrides):

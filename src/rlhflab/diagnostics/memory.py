@@ -13,7 +13,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from rlhflab.core import algorithms as A
-from rlhflab.experience.rollout import answer_values, opener_logprobs, policy_outputs
+from rlhflab.experience.opener import PromptCaches, opener_logprobs, prompt_prefixes
+from rlhflab.experience.rollout import answer_values, policy_outputs
+from rlhflab.experience.sampling import cache_kwarg
 from rlhflab.models import causal_forward, module_bytes
 
 
@@ -199,8 +201,10 @@ def iteration_memory(cast, cfg) -> list[PhaseMemory]:
       measured on the built policy — lean activations, checkpointing and LoRA count as they
       are — plus a separate critic's, whose graph the first update keeps alongside the
       policy's by default (``ppo.values_from_training_forward``);
-    * monitor: the flattery-opener probe (``rollout.opener_logprobs``), policy or
-      reference, where ``monitor.flattery_opener_ratio`` is on.
+    * monitor: the flattery-opener probe (``experience.opener``), policy or reference,
+      where ``monitor.flattery_opener_ratio`` is on: one part's forward, measured, beside
+      the prompts' KV caches that sampling (policy) and scoring (reference) keep for it —
+      which the sampling and scoring phases also hold from the moment they are kept.
 
     The measured forwards run on random token ids of those shapes; nothing is updated.
     """
@@ -211,7 +215,6 @@ def iteration_memory(cast, cfg) -> list[PhaseMemory]:
     head_dim = getattr(lm_cfg, "head_dim", None) or lm_cfg.hidden_size // lm_cfg.num_attention_heads
     positions = cache_positions(P, T, doubling=cfg.model.runtime == "native")
     kv = kv_cache_bytes(lm_cfg.num_hidden_layers, kv_heads, head_dim, n, positions, itemsize)
-    rows = [PhaseMemory("sampling", f"KV cache, {n} answers x {positions} positions", kv, False)]
 
     def ids(batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         gen = torch.Generator().manual_seed(0)
@@ -219,22 +222,42 @@ def iteration_memory(cast, cfg) -> list[PhaseMemory]:
         return seqs.to(cast.device), torch.ones_like(seqs, device=cast.device)
 
     seqs, mask = ids(min(r.score_micro_batch, n))
+    b = len(seqs)  # random ids: b distinct prompts, the worst case of the probe
+    mc = cfg.monitor
+    probing = mc.enabled and mc.flattery_opener_ratio is not None and bool(mc.phrases)
+    # the opener probe's prompt caches, kept by sampling (policy) and scoring (reference)
+    kept = {"policy": 0, "reference": 0}
+    if probing:
+        kept = {role: n * per_prompt for role, per_prompt in _kept_per_prompt(cast, seqs[:, :P])}
+    what = f"KV cache, {n} answers x {positions} positions"
+    if probing:
+        what += f" (+ {n} prompts' cache kept for the opener probe)"
+    rows = [PhaseMemory("sampling", what, kv + kept["policy"], False)]
+
     with torch.no_grad():  # each model in its model.compute_dtype, as the run computes
         _, _, policy_peak = held_by(
             lambda: policy_outputs(
                 cast.policy, seqs, mask, P, seqs[:, P:], r.temperature, True, autocast=ac
             )
         )
+    caches = PromptCaches(r.score_micro_batch) if probing else None
+
+    def reference_forward():
+        out = causal_forward(cast.reference, seqs, mask, keep_last=T + 1, use_cache=probing)
+        lp = A.logprobs_from_logits(out.logits[:, :T], seqs[:, P:], r.temperature)
+        if caches is not None:  # as score_rollout keeps them (its last part: n − b before it)
+            cache = getattr(out, cache_kwarg(cast.reference))
+            caches.keep(cache, out.logits[:, 0], seqs[:, :P], mask[:, :P])
+        return lp
+
     with torch.no_grad(), cast.reference_autocast():
-        _, _, ref_peak = held_by(
-            lambda: A.logprobs_from_logits(
-                causal_forward(cast.reference, seqs, mask, keep_last=T + 1).logits[:, :T],
-                seqs[:, P:],
-                r.temperature,
-            )
-        )
+        _, _, ref_peak = held_by(reference_forward)
+    policy_peak += kept["policy"]
+    ref_peak += kept["policy"] + kept["reference"] * (n - b) // n
     which = "policy" if policy_peak >= ref_peak else "reference"
-    what = f"one no-grad forward, {which}, {len(seqs)} x {P + T} tokens"
+    what = f"one no-grad forward, {which}, {b} x {P + T} tokens"
+    if probing:
+        what += " (+ prompt caches kept for the opener probe)"
     rows.append(PhaseMemory("scoring", what, max(policy_peak, ref_peak), True))
 
     micro = p.micro_batch_size or n // p.minibatches
@@ -256,28 +279,32 @@ def iteration_memory(cast, cfg) -> list[PhaseMemory]:
         critic is not None and p.values_from_training_forward and p.minibatches == 1 and micro >= n
     )
 
-    mc = cfg.monitor
-    if mc.enabled and mc.flattery_opener_ratio is not None and mc.phrases:
-        # the opener probe repeats each prompt's KV cache once per phrase spelling
+    if probing:
+        # the probe's forward over one part's spellings, after that part's prompt cache
+        # (made beforehand: it is among the kept caches), beside every kept cache; the
+        # forward replaces the part's cache by a longer one, so its prompt-only keys and
+        # values are gone by the probe's peak (its logits)
         prompts, prompt_mask = seqs[:, :P], mask[:, :P]
-        with torch.no_grad():
-            peaks = [
-                held_by(
-                    lambda m=m: opener_logprobs(
-                        m,
-                        cast.tokenizer,
-                        prompts,
-                        prompt_mask,
-                        mc.phrases,
-                        r.temperature,
-                        r.score_micro_batch,
-                        mc.opener_tokens,
-                    )
-                )[2]
-                for m in (cast.policy_lm, cast.reference)
-            ]
-        what = f"opener probe, {len(prompts)} prompts x {len(mc.phrases)} phrases, 2 spellings each"
-        rows.append(PhaseMemory("monitor", what, max(peaks), True))
+        peaks = []
+        for model, autocast in (
+            (cast.policy_lm, ac),
+            (cast.reference, cast.reference_autocast),
+        ):
+            with torch.no_grad(), autocast():
+                part, held, _ = held_by(
+                    lambda m=model: list(prompt_prefixes(m, prompts, prompt_mask, b))
+                )
+                replaced = held - part[0].first_logits.untyped_storage().nbytes()
+                args = (model, cast.tokenizer, prompts, prompt_mask, mc.phrases, r.temperature, b)
+                probe = held_by(
+                    lambda a=args, p=part: opener_logprobs(*a, mc.opener_tokens, prefixes=p)
+                )
+                peaks.append(probe[2] - replaced)
+        what = (
+            f"opener probe, {b} prompts x {len(mc.phrases)} phrases, 2 spellings each, "
+            f"beside {n} prompts' caches of each model"
+        )
+        rows.append(PhaseMemory("monitor", what, max(peaks) + sum(kept.values()), True))
         if kept_from_scoring:  # the probe runs between steps 2 and 8
             what = f"critic's graph kept from scoring, {tokens}"
             rows.append(PhaseMemory("monitor", what, critic[0], True))
@@ -313,6 +340,23 @@ def iteration_memory(cast, cfg) -> list[PhaseMemory]:
         grads += ("critic",) if accumulating else ()
         rows.append(PhaseMemory("critic", what, critic[1], True, grads))
     return rows
+
+
+def _kept_per_prompt(cast, prompts: torch.Tensor) -> list[tuple[str, int]]:
+    """Bytes per prompt of what the opener probe keeps of each model's forward over the
+    prompts (b, P): the KV cache of the P positions and the logits that predict the
+    answer's first token; measured on a forward of the built model, in its arithmetic."""
+    out = []
+    ones = torch.ones_like(prompts)
+    for role, model, autocast in (
+        ("policy", cast.policy_lm, cast.autocast),
+        ("reference", cast.reference, cast.reference_autocast),
+    ):
+        with torch.no_grad(), autocast():
+            part, held, _ = held_by(lambda m=model: list(prompt_prefixes(m, prompts, ones, 10**9)))
+        out.append((role, held // len(prompts)))
+        del part
+    return out
 
 
 def forward_backward_bytes(
@@ -374,8 +418,9 @@ def format_iteration(phases: list[PhaseMemory], models: list[ModelMemory]) -> st
     )
     if largest == "monitor":
         lines.append(
-            "the monitor's opener probe copies each prompt's KV cache once per phrase "
-            "spelling: a smaller rollout.score_micro_batch, fewer monitor.phrases or "
+            "the monitor's opener probe keeps the prompts' KV cache of policy and reference "
+            "until it runs, then extends one rollout.score_micro_batch of them by the "
+            "phrases' tokens: a smaller rollout.score_micro_batch, fewer monitor.phrases or "
             "monitor.flattery_opener_ratio=null lowers it"
         )
     return "\n".join(lines)
