@@ -255,6 +255,7 @@ def test_the_opener_probe_leaves_the_run_bit_identical(tmp_path, runtime):
     weights = {}
     for ratio in ("1.3", "null"):
         over = (f"monitor.flattery_opener_ratio={ratio}", f"model.runtime={runtime}")
+        over += ("monitor.opener_every=1",)
         t = PPOTrainer(tiny_cfg(tmp_path / ratio, *over))
         for _ in range(2):
             m = t.step()
@@ -262,6 +263,22 @@ def test_the_opener_probe_leaves_the_run_bit_identical(tmp_path, runtime):
         assert ("monitor/flattery_opener_ratio" in m) == (ratio != "null")
         weights[ratio] = [q.detach().clone() for q in t.cast.policy.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(weights["1.3"], weights["null"]))
+
+
+def test_the_opener_probe_runs_at_the_first_and_every_nth_iteration(tmp_path):
+    # a threshold any probed value crosses: alerts come exactly where it was computed
+    over = ("monitor.opener_every=3", "monitor.flattery_opener_ratio=1e-9")
+    t = PPOTrainer(tiny_cfg(tmp_path, *over))
+    rows = []
+    for _ in range(4):
+        rows.append(t.step())
+        t.iteration += 1
+    probed = ["monitor/flattery_opener_ratio" in r for r in rows]
+    assert probed == [True, False, True, False]
+    assert [r["time/monitor_probe"] != 0 for r in rows] == probed
+    assert rows[0]["monitor/flattery_opener_ratio"] == pytest.approx(1.0, abs=1e-5)  # π = π_ref
+    fired = {a.iteration for a in t.monitor.state.alerts if a.signal == "flattery_opener_ratio"}
+    assert fired == {1, 3}
 
 
 def test_the_opener_probe_under_eager_attention_is_the_sdpa_probe():

@@ -114,6 +114,15 @@ class MonitorConfig:
         low=0.0,
         low_open=True,
     )
+    opener_every: int = setting(
+        2,
+        "Compute flattery_opener_ratio at the first iteration (where it must be 1: the "
+        "policy is the reference) and every N-th after it (1 = every iteration); in between "
+        "it is not logged and cannot alert. One probe costs ~6 % of an iteration of "
+        "SmolLM2 with 8 prompts x 24 answer tokens, ~10 % with 16 x 8 (docs/benchmarks.md); "
+        "every 2nd, half that.",
+        low=1,
+    )
     opener_tokens: int = setting(
         4,
         "flattery_opener_ratio scores each phrase on its first N tokens (the opening decision "

@@ -135,7 +135,7 @@ class PPOTrainer:
         prompts = self._local_share(self.next_prompts())
         reuse = self.reuses_training_forward()  # old log-probs then come from step 8
         # the monitor's opener probe (2b) extends the prompts' KV caches of steps 1 and 2
-        caches = self.watch.prompt_caches() or {}
+        caches = self.watch.prompt_caches(self.iteration) or {}
         times: dict[str, float] = {}
         # 1. generate (with rollout.logprobs_from_sampling, also the old log-probs)
         t0 = time.perf_counter()
@@ -148,7 +148,7 @@ class PPOTrainer:
         # 2b. the monitor's flattery probe, on the weights that sampled this rollout
         t0 = time.perf_counter()
         openers = self.watch.opener_probe(rollout, caches or None)
-        times["time/monitor_probe"] = time.perf_counter() - t0
+        times["time/monitor_probe"] = time.perf_counter() - t0 if caches else 0.0
         # 2c. the batch's gold reward (monitor.gold); log.keep_best keeps the weights that
         # sampled it, before step 8 changes them, when its smoothed mean is the best so far
         if self.watch.score_gold(rollout, self.iteration + 1) and self.watch.keep_best:

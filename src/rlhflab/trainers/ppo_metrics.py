@@ -55,7 +55,8 @@ METRICS = {
     "time/generate": "seconds sampling",
     "time/score": "seconds scoring",
     "time/train": "seconds in the PPO epochs",
-    "time/monitor_probe": "seconds in the monitor's flattery-opener probe (0 when it is off)",
+    "time/monitor_probe": "seconds in the monitor's flattery-opener probe (0 when it is off "
+    "or skips the iteration: monitor.opener_every)",
     "throughput/tokens_per_sec": "generated answer tokens per second of sampling",
     "memory/peak_mib": "peak resident memory (CPU) or peak allocated (CUDA), MiB",
     "faults/skipped_updates": "updates skipped so far for a non-finite reward, loss or gradient",

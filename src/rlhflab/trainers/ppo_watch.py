@@ -102,12 +102,15 @@ class PPOWatch:
         mean = self.ctx.mean_metrics({"gold": float(self.last_gold.mean())})["gold"]
         return self.best.update(mean, iteration)
 
-    def prompt_caches(self) -> dict[str, PromptCaches] | None:
-        """Where steps 1 and 2 keep the prompts' KV caches for the opener probe: the
-        sampling pass's for the policy, the scoring forward's for the reference; None when
-        the probe is off."""
-        mc = self.cfg.monitor
+    def prompt_caches(self, iteration: int) -> dict[str, PromptCaches] | None:
+        """Where steps 1 and 2 of iteration ``iteration`` (0-based) keep the prompts' KV
+        caches for the opener probe: the sampling pass's for the policy, the scoring
+        forward's for the reference; None when the probe is off or skips this iteration
+        (monitor.opener_every: it runs at the first and at every N-th)."""
+        mc, it = self.cfg.monitor, iteration + 1
         if self.monitor is None or mc.flattery_opener_ratio is None or not mc.phrases:
+            return None
+        if it != 1 and it % mc.opener_every:
             return None
         # under FSDP every rank runs as many probe forwards as the others: no skipping of
         # a rank's repeated prompts there
@@ -116,8 +119,8 @@ class PPOWatch:
 
     def opener_probe(self, rollout: Rollout, caches: dict[str, PromptCaches] | None):
         """(policy, reference) log P(answer opens with a flattery phrase), (B,) each, or None
-        when the monitor or its flattery_opener_ratio signal is off. ``caches``: what
-        :meth:`prompt_caches` gave steps 1 and 2, filled (each serves one probe)."""
+        when the probe does not run this iteration. ``caches``: what :meth:`prompt_caches`
+        gave steps 1 and 2, filled (each serves one probe); None: not probing."""
         if caches is None:
             return None
         mc, r = self.cfg.monitor, self.cfg.rollout
