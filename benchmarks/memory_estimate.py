@@ -14,6 +14,7 @@ a process's resident memory adds its libraries and its allocator's slack on top.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import tempfile
 from pathlib import Path
@@ -47,10 +48,15 @@ MIB = 1024 * 1024
 
 
 def config(preset: str, folder: Path, overrides: list[str]):
-    prompt = "copy: apple banana cherry kiwi mango\nanswer:"
+    # distinct prompts of one length: the opener probe runs a repeated prompt once
+    words = ["apple", "banana", "cherry", "kiwi", "mango"]
+    prompts = [f"copy: {' '.join(w)}\nanswer:" for w in itertools.permutations(words)]
     tok = M.load_tokenizer(preset_path(preset))
-    n_tokens = len(tok(prompt, add_special_tokens=False)["input_ids"])
-    (folder / "prompts.jsonl").write_text(json.dumps({"prompt": prompt}) + "\n")
+    lengths = {len(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts}
+    assert len(lengths) == 1, lengths
+    n_tokens = lengths.pop()
+    rows = "".join(json.dumps({"prompt": p}) + "\n" for p in prompts)
+    (folder / "prompts.jsonl").write_text(rows)
     base = {
         "device": "cpu",
         "model": {"policy": f"preset:{preset}", "value_model": "separate"},
