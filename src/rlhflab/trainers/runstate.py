@@ -25,6 +25,7 @@ from rlhflab.infra.distributed import (
     shard,
     wrap_trained,
 )
+from rlhflab.trainers.ppo_refresh import plain_module, refreshed_models
 
 
 def wrap_for_parallel(cfg: Config, ctx, cast):
@@ -67,12 +68,16 @@ def gathered_rng(gens: dict[str, torch.Generator], ctx) -> list:
 
 class CastCheckpoints:
     """Checkpoint folders of a PPO-family run: the trained models of the cast (policy, a
-    value head or critic) and the trainer's state, written and read back."""
+    value head or critic) and the trainer's state, written and read back; with
+    reward.refresh_every, the reward models a refresh trains too (``reward/``, or
+    ``reward-i/`` per ensemble member: whole reward-model folders)."""
 
     def __init__(self, cfg: Config, ctx, cast, run_dir: Path, fsdp: bool):
         self.cfg, self.ctx, self.cast = cfg, ctx, cast
         self.run_dir = run_dir
         self.fsdp = fsdp  # sharded weights: gathered to save, broadcast from rank 0 to load
+        # name → ModelReward (a refresh is single-process: never sharded)
+        self.rewards = refreshed_models(cast) if cfg.reward.refresh_every else {}
 
     def save(
         self,
@@ -106,6 +111,7 @@ class CastCheckpoints:
                 policy_state,
                 critic_state,
                 name,
+                {k: (plain_module(r.model), r.tokenizer) for k, r in self.rewards.items()},
             )
         self.ctx.barrier()
         return path
@@ -114,7 +120,11 @@ class CastCheckpoints:
         """Load the weights of checkpoint ``path`` into the cast; returns its state (on
         ranks other than 0 under FSDP without the optimisers' moments, which rank 0 sends)."""
         if not self.fsdp:
-            return C.load_checkpoint(path, self.cast)
+            state = C.load_checkpoint(path, self.cast)
+            for name, reward in self.rewards.items():
+                if (path / name).is_dir():  # else written before refreshes were switched on
+                    C.load_weights_into(plain_module(reward.model), path / name)
+            return state
         # sharded: rank 0 alone reads the full weights and optimiser states and sends each
         # tensor on, every rank keeping its shard (load_full_state_dict and
         # load_optimizer_state, broadcast from rank 0); the others read only state.pt. Read
