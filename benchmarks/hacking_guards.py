@@ -7,7 +7,9 @@ model, and one with rm.length_head), then one PPO run of the ``hacking`` preset 
 * ``plain``: reward.model = member 0 (the demo's reward model);
 * ``wco`` / ``uwo``: reward.ensemble = every member, reward.ensemble_combine = wco / uwo;
 * ``par``: member 0 with reward.shaping = par;
-* ``odin``: the length-head reward model (its ``length`` head weight 0).
+* ``odin``: the length-head reward model (its ``length`` head weight 0);
+* ``refresh``: member 0 refreshed every 5 iterations (reward.refresh_every) on the policy's
+  answers, labelled by the preset's own annotator (the rm.* settings).
 
 Per run: ``final gold``, the gold reward of the final policy on ``--eval-prompts`` held-out
 prompts (one sampled answer each, diagnostics.evaluate), and ``gold drop``, the best minus
@@ -16,7 +18,8 @@ a trailing 3-iteration moving mean (one batch moves ±0.08). The last lines, one
 guard, are ``final gold <guard>: X ± s`` and ``gold drop <guard>: Y ± s`` (mean ± sample
 std over seeds; ± 0 with one seed). Run folders are reused: a finished stage is not rerun.
 
-Usage (2 cores: untimed, estimated 20–30 minutes a seed; run nothing else alongside)::
+Usage (2 cores: untimed; estimated 20–30 minutes a seed for the first five guards, more
+with the refresh guard's PPO run; run nothing else alongside)::
 
     python benchmarks/hacking_guards.py --seeds 3 --out runs/guards
 
@@ -35,7 +38,7 @@ import json
 import statistics
 from pathlib import Path
 
-GUARDS = ("plain", "wco", "uwo", "par", "odin")
+GUARDS = ("plain", "wco", "uwo", "par", "odin", "refresh")
 
 
 def guard_overrides(guard: str, run: Path, k: int) -> list[str]:
@@ -47,6 +50,7 @@ def guard_overrides(guard: str, run: Path, k: int) -> list[str]:
         "uwo": ensemble + ["reward.ensemble_combine=uwo"],
         "par": [f"reward.model={members[0]}", "reward.shaping=par"],
         "odin": [f"reward.model={run / 'rm-odin'}"],
+        "refresh": [f"reward.model={members[0]}", "reward.refresh_every=5"],
     }[guard]
 
 
