@@ -223,10 +223,11 @@ def test_a_labeller_that_returns_bad_labels_is_named(tmp_path, nano_rm):
     )
     with pytest.raises(RewardError, match="reward.refresh_labeller .*too_few_labels: 1 labels"):
         trainer.step()
-    # a plain list labels the head 'preference', which this model does not have
-    trainer = PPOTrainer(
-        _cfg(tmp_path, nano_rm, *base, "reward.refresh_labeller=tests.reward_fns:a_always")
-    )
+    # a plain list labels the head 'preference', which this model does not have: refused,
+    # even where replayed pairs (built-in task, refresh_replay 0.5) would give a loss
+    always = ["reward.refresh_labeller=tests.reward_fns:a_always", "reward.refresh_every=1"]
+    trainer = PPOTrainer(_cfg(tmp_path, nano_rm, *always, "ppo.iterations=1"))
+    assert trainer.refresh.replay
     with pytest.raises(RewardError, match="none of the reward model's heads"):
         trainer.step()
     with pytest.raises(ConfigError, match="reward.refresh_labeller: .*no_such"):

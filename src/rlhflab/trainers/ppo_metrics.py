@@ -63,8 +63,9 @@ METRICS = {
     "refresh/pool": "fresh pairs of every refresh so far, which each refresh trains on",
     "refresh/rm_loss": "mean Bradley-Terry loss of the refresh's steps (over every reward "
     "model of an ensemble; the batches mix fresh and replayed pairs)",
-    "refresh/rm_accuracy_before": "share of this refresh's pairs with a preference (≠ 0.5) "
-    "that the reward model's weighted score orders as the labeller did, before the fine-tune",
+    "refresh/rm_accuracy_before": "share of this refresh's pairs with a preference label "
+    "(≠ 0.5) that the reward model's weighted score orders as the labeller did, before the "
+    "fine-tune (absent when no pair has one)",
     "refresh/rm_accuracy_after": "the same after the fine-tune (pairs it was just trained on: "
     "a check that it learnt them, not a held-out accuracy)",
     "throughput/tokens_per_sec": "generated answer tokens per second of sampling",

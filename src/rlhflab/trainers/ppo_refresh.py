@@ -142,6 +142,8 @@ class RewardRefresh:
             )
             for i, lab in zip(keep, labels)
         ]
+        for member in self.models.values():
+            _check_heads(pairs, member.head_names)
         self.fresh.extend(pairs)
         before = self._accuracy(a, b, keep, labels)
         losses = [self._fine_tune(m) for m in self.models.values()] if self.fresh else []
@@ -284,12 +286,17 @@ def head_targets(pairs: list[PreferencePair], heads: list[str]) -> torch.Tensor:
             label = p.labels.get(h, p.labels.get(PREFERENCE) if len(heads) == 1 else None)
             if label is not None and h != LENGTH_HEAD:
                 out[i, k] = float(label)
-    if len(pairs) and torch.isnan(out).all():
+    return out
+
+
+def _check_heads(pairs: list[PreferencePair], heads: list[str]) -> None:
+    """A refresh's fresh pairs must label some head of each reward model: else they would
+    add nothing, silently, beside the replayed pairs."""
+    if pairs and torch.isnan(head_targets(pairs, heads)).all():
         raise RewardError(
             f"reward.refresh_labeller: the labels name {sorted(pairs[0].labels)}, none of the "
             f"reward model's heads {heads}; label them by name (return a dict)"
         )
-    return out
 
 
 def annotator_labels(prompt: str, a: str, b: str, rng: random.Random, rm) -> dict[str, float]:
