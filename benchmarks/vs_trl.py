@@ -301,6 +301,12 @@ def run_trl(
     import torch
 
     torch.set_num_threads(threads)
+    if overrides.get("bf16") or overrides.get("fp16"):
+        # TRL 1.12's PPOTrainer makes its own Accelerator without the config's precision
+        # (ppo_trainer.py: Accelerator(gradient_accumulation_steps=...)) and transformers 5's
+        # TrainingArguments no longer exports it, so bf16=True alone leaves the run in fp32;
+        # through the environment, as `accelerate launch --mixed_precision bf16` passes it
+        os.environ["ACCELERATE_MIXED_PRECISION"] = "bf16" if overrides.get("bf16") else "fp16"
     from datasets import Dataset
     from transformers import (
         AutoModelForCausalLM,
@@ -377,7 +383,11 @@ def run_trl(
     )
     start = time.perf_counter()
     trainer.train()
-    return _worker_result(start, ticks, gen)
+    # the precision TRL's accelerator ran in ("no" = fp32)
+    return {
+        **_worker_result(start, ticks, gen),
+        "mixed_precision": trainer.accelerator.mixed_precision,
+    }
 
 
 def worker_main(argv: list[str]) -> None:
