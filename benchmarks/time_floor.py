@@ -139,29 +139,40 @@ def iteration_products(work: Work, prompt: int) -> Counter:
     return total
 
 
-def best_product_seconds(m: int, k: int, n: int) -> float:
-    """Seconds of the fastest (m×k)·(k×n) product over both libraries and all layouts."""
+def set_threads(n: int) -> None:
+    torch.set_num_threads(n)
+    set_numpy_blas_threads(n)
+
+
+def best_product_seconds(m: int, k: int, n: int, threads: int = 1) -> float:
+    """Seconds of the fastest (m×k)·(k×n) product over both libraries and all layouts, on
+    one thread or ``threads`` (a few-row product can be faster on one: no threads to
+    synchronise); leaves ``threads`` set."""
     best = 0.0
     flops = 2 * m * k * n
-    for a_t, b_t in itertools.product((False, True), repeat=2):
-        a = torch.randn(k, m).t() if a_t else torch.randn(m, k)
-        b = torch.randn(n, k).t() if b_t else torch.randn(k, n)
-        an, bn = a.numpy(), b.numpy()
-        best = max(best, rate(lambda a=a, b=b: torch.mm(a, b), flops, seconds=0.15))
-        best = max(best, rate(lambda a=an, b=bn: np.matmul(a, b), flops, seconds=0.15))
+    for t in sorted({1, threads}):
+        set_threads(t)
+        for a_t, b_t in itertools.product((False, True), repeat=2):
+            a = torch.randn(k, m).t() if a_t else torch.randn(m, k)
+            b = torch.randn(n, k).t() if b_t else torch.randn(k, n)
+            an, bn = a.numpy(), b.numpy()
+            best = max(best, rate(lambda a=a, b=b: torch.mm(a, b), flops, seconds=0.15))
+            best = max(best, rate(lambda a=an, b=bn: np.matmul(a, b), flops, seconds=0.15))
+    set_threads(threads)
     return flops / (best * 1e9)
 
 
-def best_attention_seconds(work: Work, rows: int, grad: bool) -> float:
+def best_attention_seconds(work: Work, rows: int, grad: bool, threads: int = 1) -> float:
     """Seconds of the fastest causal SDPA (and its backward where ``grad``) on ``rollouts``
-    sequences of ``rows`` positions, flash or math kernel, no padding mask; with fewer key
-    and value heads than query heads (grouped-query attention) also SDPA's ``enable_gqa``
-    on the unexpanded keys and values, the faster of the two."""
+    sequences of ``rows`` positions, flash or math kernel, no padding mask, one thread or
+    ``threads``; with fewer key and value heads than query heads (grouped-query attention)
+    also SDPA's ``enable_gqa`` on the unexpanded keys and values. Leaves ``threads`` set."""
     w = work
     q = torch.randn(w.rollouts, w.heads, rows, w.head_dim, requires_grad=grad)
     g = torch.randn(w.rollouts, w.heads, rows, w.head_dim)
     best = float("inf")
-    for kv_heads in sorted({w.heads, w.kv_heads}):
+    for t, kv_heads in itertools.product(sorted({1, threads}), sorted({w.heads, w.kv_heads})):
+        set_threads(t)
         k, v = (
             torch.randn(w.rollouts, kv_heads, rows, w.head_dim, requires_grad=grad)
             for _ in range(2)
@@ -181,21 +192,22 @@ def best_attention_seconds(work: Work, rows: int, grad: bool) -> float:
 
                 # rate() returns calls × flops / s / 1e9: with flops = 1e9, calls per second
                 best = min(best, 1 / rate(call, 1e9, seconds=0.3))
+    set_threads(threads)
     return best
 
 
 def floor_seconds(
     work: Work, prompt_tokens: int, table: list[str] | None = None, threads: int = 1
 ) -> dict:
-    """Measure the floor of one iteration of ``work`` on ``threads`` threads: seconds of
-    sampling's one-token-per-answer products, of the larger products, of attention, and
+    """Measure the floor of one iteration of ``work`` on up to ``threads`` threads (each
+    product and attention call at the faster of one thread and ``threads``): seconds
+    of sampling's one-token-per-answer products, of the larger products, of attention, and
     their ``total``. Appends one markdown row per product shape to ``table`` where given."""
-    torch.set_num_threads(threads)
-    set_numpy_blas_threads(threads)
+    set_threads(threads)
     out = {"sampling": 0.0, "products": 0.0}
     products = iteration_products(work, prompt_tokens)
     for (m, k, n), count in sorted(products.items(), key=lambda x: -x[0][0] * x[1]):
-        seconds = best_product_seconds(m, k, n) * count
+        seconds = best_product_seconds(m, k, n, threads) * count
         out["sampling" if m <= work.rollouts else "products"] += seconds
         if table is not None:
             table.append(
@@ -203,8 +215,8 @@ def floor_seconds(
                 f"{2 * m * k * n * count / seconds / 1e9:.0f} | {seconds:.3f} |"
             )
     rows = prompt_tokens + work.answer
-    out["attention_forward"] = best_attention_seconds(work, rows, False)
-    out["attention_backward"] = best_attention_seconds(work, rows, True)
+    out["attention_forward"] = best_attention_seconds(work, rows, False, threads)
+    out["attention_backward"] = best_attention_seconds(work, rows, True, threads)
     # the reference's and the reward model's forwards; per epoch policy and critic forward
     # and backward
     out["attention"] = work.layers * (
