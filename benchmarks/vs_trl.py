@@ -556,15 +556,16 @@ def evict_torch_libraries(python: str) -> None:
     depends on how the file sits in the page cache (its history: written by pip, read by
     other processes). On this VM the same libtorch_cpu.so, byte for byte, left
     ``import torch`` at 272 MiB in one venv and 224 MiB in the other until both were
-    evicted; then 230 and 224. Neither library's doing, so both sides start cold.
+    evicted; then 230 and 224. Files pip has just written sit in 1 MiB folios, which a fault
+    maps whole: the 0.2M rlhflab worker peaked at 388 MiB on a fresh install against 317
+    after eviction (rlhflab/infra/pagecache.py). Neither library's doing, so both sides
+    start cold. Pages a process has mapped stay cached, so main() evicts rlhflab's before
+    this process imports torch itself.
     """
+    from rlhflab.infra.pagecache import drop
+
     venv = Path(python).parent.parent
-    for lib in venv.glob("lib/python3*/site-packages/torch/lib/*.so*"):
-        fd = os.open(lib, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+    drop(venv.glob("lib/python3*/site-packages/torch/lib/*.so*"))
 
 
 def per_iteration(result: dict, warmup: int) -> list[float]:
@@ -635,6 +636,9 @@ def main() -> None:
         "allocator's share from rlhflab's)",
     )
     args = ap.parse_args()
+    # before anything here imports torch: the pages this process maps are not evicted again
+    # before each worker, so they must be read in cold now (evict_torch_libraries)
+    evict_torch_libraries(sys.executable)
     work = Path(args.work)
     trl_py = str(setup_trl_env(work / f"trl-{TRL_VERSION}"))
     if args.setup:
