@@ -93,6 +93,19 @@ def _rows(folder):
             ["reward.model=rm", "reward.refresh_every=5", "reward.refresh_replay=1.5"],
             "reward.refresh_replay",
         ),
+        (
+            ["reward.model=rm", "reward.refresh_every=5", "reward.refresh_replay=0.97"],
+            "reward.refresh_replay: .*no fresh pair",
+        ),
+        (
+            [
+                "reward.model=rm",
+                "reward.refresh_every=5",
+                "reward.refresh_batch_size=1",
+                "reward.refresh_replay=0.4",
+            ],
+            "reward.refresh_replay: .*no replayed pair",
+        ),
         (["reward.model=rm", "reward.refresh_every=5", "reward.refresh_lr=0"], "reward.refresh_lr"),
         (
             ["reward.model=rm", "reward.refresh_every=5", "reward.refresh_steps=0"],
@@ -172,6 +185,14 @@ def test_resume_is_bit_identical_across_refreshes(tmp_path, nano_rm):
         b = t.cast.models()[name].state_dict()
         assert all(torch.equal(a[k], b[k]) for k in a), name
     assert [p.prompt for p in straight.refresh.fresh] == [p.prompt for p in t.refresh.fresh]
+    # resumed with the refresh switched off, the run keeps the refreshed reward model (it
+    # must not silently score with the one from before the refreshes)
+    off = PPOTrainer(_cfg(tmp_path, nano_rm, "reward.refresh_every=0", out="b"))
+    off.cfg.ppo.iterations = 4
+    off.fit(resume=True)
+    a = straight.cast.models()["reward"].state_dict()
+    b = off.cast.models()["reward"].state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 # ------------------------------------------------------------------ a user's labeller

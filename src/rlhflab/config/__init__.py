@@ -221,6 +221,20 @@ def _check_refresh(cfg: Config) -> None:
         raise ConfigError(
             f"reward.refresh_labeller: expected 'module:function', got {rw.refresh_labeller!r}"
         )
+    # the same rounding as trainers/ppo_refresh.py: a batch needs a pair of each kind asked for
+    n_replay = round(rw.refresh_batch_size * rw.refresh_replay)
+    if rw.refresh_batch_size - n_replay < 1:
+        raise ConfigError(
+            f"reward.refresh_replay: {rw.refresh_replay} of reward.refresh_batch_size="
+            f"{rw.refresh_batch_size} leaves no fresh pair in a batch (the refresh would "
+            "never train on what it labelled); lower it or raise the batch size"
+        )
+    if rw.refresh_replay > 0 and n_replay < 1:
+        raise ConfigError(
+            f"reward.refresh_replay: {rw.refresh_replay} of reward.refresh_batch_size="
+            f"{rw.refresh_batch_size} rounds to no replayed pair; set it to 0 or raise the "
+            "batch size"
+        )
     if rw.refresh_replay > 0 and cfg.data.prompts and not cfg.rm.data:
         raise ConfigError(
             "reward.refresh_replay: replaying the reward model's own training pairs needs "

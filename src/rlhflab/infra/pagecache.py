@@ -44,11 +44,19 @@ def drop(paths: Iterable[Path]) -> int:
         return 0
     count = 0
     for path in paths:
-        fd = os.open(path, os.O_RDONLY)
+        # an optimisation only: a file it cannot open, sync or advise on (permissions, a
+        # filesystem without fdatasync, a file gone meanwhile) is skipped, never an error
         try:
-            os.fdatasync(fd)  # dirty pages are not dropped
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            if hasattr(os, "fdatasync"):
+                os.fdatasync(fd)  # dirty pages are not dropped
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             count += 1
+        except OSError:
+            pass
         finally:
             os.close(fd)
     return count

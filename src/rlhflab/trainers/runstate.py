@@ -11,6 +11,7 @@ rank its shard. RNG states differ per rank, so all of them are gathered into the
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,6 +27,8 @@ from rlhflab.infra.distributed import (
     wrap_trained,
 )
 from rlhflab.trainers.ppo_refresh import plain_module, refreshed_models
+
+log = logging.getLogger(__name__)
 
 
 def wrap_for_parallel(cfg: Config, ctx, cast):
@@ -116,12 +119,30 @@ class CastCheckpoints:
         self.ctx.barrier()
         return path
 
+    def _rewards_in(self, path: Path) -> dict:
+        """The reward models to read back from checkpoint ``path``: the refreshed ones; and
+        when this run has reward.refresh_every off but the checkpoint holds refreshed reward
+        models (``reward/``, ``reward-i/``), those too — resuming must not silently go back
+        to the reward model from before the refreshes."""
+        if self.rewards or not any(path.glob("reward*/config.json")):
+            return self.rewards
+        if self.cfg.model.reward_precision != "fp32":
+            raise C.CheckpointError(
+                f"{path}: holds reward models a refresh trained (fp32); this run has "
+                f"reward.refresh_every off and model.reward_precision="
+                f"{self.cfg.model.reward_precision}, so they cannot be read back: resume with "
+                "model.reward_precision=fp32, or start a new run with reward.model pointing "
+                f"at {path / 'reward'}"
+            )
+        log.info("%s: reading back the refreshed reward models of the checkpoint", path)
+        return refreshed_models(self.cast)
+
     def load(self, path: Path) -> dict:
         """Load the weights of checkpoint ``path`` into the cast; returns its state (on
         ranks other than 0 under FSDP without the optimisers' moments, which rank 0 sends)."""
         if not self.fsdp:
             state = C.load_checkpoint(path, self.cast)
-            for name, reward in self.rewards.items():
+            for name, reward in self._rewards_in(path).items():
                 if (path / name).is_dir():  # else written before refreshes were switched on
                     C.load_weights_into(plain_module(reward.model), path / name)
             return state
