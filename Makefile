@@ -11,11 +11,15 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint install clean real-model
 
+# The last step drops the new environment's shared libraries from the page cache: pip's
+# writes leave them there in large folios, which the first runs would map whole (+70 MiB
+# peak RSS in vs_trl.py's 0.2M worker; rlhflab/infra/pagecache.py)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install --quiet -e ".[$(EXTRAS)]"
+	$(BIN)/python -m rlhflab.infra.pagecache $(VENV)
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -7,16 +7,24 @@ model, and one with rm.length_head), then one PPO run of the ``hacking`` preset 
 * ``plain``: reward.model = member 0 (the demo's reward model);
 * ``wco`` / ``uwo``: reward.ensemble = every member, reward.ensemble_combine = wco / uwo;
 * ``par``: member 0 with reward.shaping = par;
-* ``odin``: the length-head reward model (its ``length`` head weight 0).
+* ``odin``: the length-head reward model (its ``length`` head weight 0);
+* ``refresh``: member 0 refreshed every 2 iterations, 40 steps each (reward.refresh_every,
+  reward.refresh_steps) on the policy's answers, labelled by the preset's own annotator
+  (the rm.* settings).
 
 Per run: ``final gold``, the gold reward of the final policy on ``--eval-prompts`` held-out
 prompts (one sampled answer each, diagnostics.evaluate), and ``gold drop``, the best minus
 the final of the training batches' gold reward (monitor/gold, 64 answers an iteration) as
 a trailing 3-iteration moving mean (one batch moves ±0.08). The last lines, one pair per
 guard, are ``final gold <guard>: X ± s`` and ``gold drop <guard>: Y ± s`` (mean ± sample
-std over seeds; ± 0 with one seed). Run folders are reused: a finished stage is not rerun.
+std over seeds; ± 0 with one seed). Also printed per guard, first: ``final accuracy``
+(exact answers). Run folders are reused: a finished stage or guard run (its ``guard.json``,
+which also records the run's PPO seconds and peak memory) is not rerun, so an interrupted
+benchmark continues where it stopped. ``--preset default`` runs the same guards on the
+default demo preset: the check that a guard costs no gold where nothing is hacked.
 
-Usage (2 cores: untimed, estimated 20–30 minutes a seed; run nothing else alongside)::
+Usage (2 cores: untimed; estimated 20–30 minutes a seed for the first five guards, more
+with the refresh guard's PPO run; run nothing else alongside)::
 
     python benchmarks/hacking_guards.py --seeds 3 --out runs/guards
 
@@ -32,10 +40,12 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import shutil
 import statistics
+import time
 from pathlib import Path
 
-GUARDS = ("plain", "wco", "uwo", "par", "odin")
+GUARDS = ("plain", "wco", "uwo", "par", "odin", "refresh")
 
 
 def guard_overrides(guard: str, run: Path, k: int) -> list[str]:
@@ -47,6 +57,11 @@ def guard_overrides(guard: str, run: Path, k: int) -> list[str]:
         "uwo": ensemble + ["reward.ensemble_combine=uwo"],
         "par": [f"reward.model={members[0]}", "reward.shaping=par"],
         "odin": [f"reward.model={run / 'rm-odin'}"],
+        "refresh": [
+            f"reward.model={members[0]}",
+            "reward.refresh_every=2",
+            "reward.refresh_steps=40",
+        ],
     }[guard]
 
 
@@ -63,7 +78,7 @@ def prepare(seed: int, args) -> tuple[Path, object]:
     from rlhflab.trainers.rm import train_rm
     from rlhflab.trainers.sft import train_sft
 
-    run, cfg = demo_config("hacking", seed, args.out, args.set + ["log.progress=false"])
+    run, cfg = demo_config(args.preset, seed, args.out, args.set + ["log.progress=false"])
     run.mkdir(parents=True, exist_ok=True)
     if not (run / "sft" / "config.json").exists():
         sft_cfg = load_config(base=_COMMON, overrides=[f"seed={seed}"], stage="sft")
@@ -86,14 +101,22 @@ def run_guard(guard: str, seed: int, run: Path, args) -> dict:
     from rlhflab.infra.runlog import read_jsonl
     from rlhflab.trainers.ppo import PPOTrainer
 
-    extra = args.set + ["log.progress=false", f"log.output_dir={run / f'ppo-{guard}'}"]
+    out = run / f"ppo-{guard}"
+    if (out / "guard.json").exists():  # finished before: the benchmark is resumable per run
+        return json.loads((out / "guard.json").read_text())
+    if out.exists():  # an interrupted run: start it again from scratch
+        shutil.rmtree(out)
+    extra = args.set + ["log.progress=false", f"log.output_dir={out}"]
     extra += guard_overrides(guard, run, args.ensemble_size)
     if args.iterations:
         extra.append(f"ppo.iterations={args.iterations}")
-    _, cfg = demo_config("hacking", seed, args.out, extra)
+    _, cfg = demo_config(args.preset, seed, args.out, extra)
+    t0 = time.perf_counter()
     trainer = PPOTrainer(cfg)
     trainer.fit()
-    gold = [row["monitor/gold"] for row in read_jsonl(Path(cfg.log.output_dir) / "metrics.jsonl")]
+    seconds = time.perf_counter() - t0
+    metrics = read_jsonl(out / "metrics.jsonl")
+    gold = [row["monitor/gold"] for row in metrics]
     prompts = heldout_prompts(args.eval_prompts, seed)
     policy = trainer.cast.policy_lm
     final = evaluate_policy(
@@ -106,12 +129,21 @@ def run_guard(guard: str, seed: int, run: Path, args) -> dict:
         seed=seed,
         device=trainer.device,
     )
-    return {
+    row = {
         "guard": guard,
         "seed": seed,
         "final_gold": final["gold"],
+        "final_accuracy": final["accuracy"],
         "gold_drop": smoothed_drop(gold),
+        # cost: wall seconds of PPO (building the cast included; untimed if the cores were
+        # shared) and the largest memory/peak_mib any iteration logged (the process's peak
+        # resident memory so far, so a later run in the same process reads at least the
+        # earlier runs' peak: compare the first guard of a seed with care)
+        "ppo_seconds": seconds,
+        "peak_mib": max(row.get("memory/peak_mib", 0.0) for row in metrics),
     }
+    (out / "guard.json").write_text(json.dumps(row, indent=2))
+    return row
 
 
 def mean_std(xs: list[float]) -> str:
@@ -121,6 +153,12 @@ def mean_std(xs: list[float]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seeds", type=int, default=3, help="seeds 0 … N−1 (default 3)")
+    p.add_argument(
+        "--preset",
+        default="hacking",
+        choices=("hacking", "default"),
+        help="demo preset: hacking (does a guard stop it?) or default (does a guard cost gold?)",
+    )
     p.add_argument("--guards", nargs="+", default=list(GUARDS), choices=GUARDS)
     p.add_argument("--iterations", type=int, default=None, help="ppo.iterations (preset: 50)")
     p.add_argument("--ensemble-size", type=int, default=3, help="reward models in the ensemble")

@@ -10,11 +10,12 @@ the optimiser, Python) is left out, so no implementation of the same work with t
 libraries can run an iteration faster than the printed floor; a time-ratio target below
 ``floor / TRL's seconds`` cannot be met on this machine at equal settings.
 
-The work is ``vs_trl.py``'s (its SIZES, 16 rollouts, 4 epochs of one minibatch) with the
+The work is ``vs_trl.py``'s (its SIZES, 16 rollouts, 4 epochs of one minibatch; any other
+shapes as a ``Work``, e.g. ``vs_trl_real.py``'s SmolLM2-135M from its config.json) with the
 rows counted as ``vs_trl.forward_flops`` counts them: the last layer's queries, attention
 output and MLP only on the rows that are read, the value and reward heads omitted (one
-column). Sampling: a prefill over the prompt, then one 16-row step per further answer
-token.
+column). Sampling: a prefill over the prompt, then one step of one row per answer for
+each further answer token.
 
     python benchmarks/time_floor.py --size 4M     # ~30 s
     python benchmarks/time_floor.py --size 25M
@@ -32,6 +33,7 @@ import argparse
 import itertools
 import json
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -43,25 +45,68 @@ from vs_trl import EPOCHS, ROLLOUTS, SIZES
 from rlhflab.backends.cpu_blas import set_numpy_blas_threads
 
 VOCAB = 440
-HEAD_DIM = 64
 RESULTS = Path(__file__).resolve().parent / ".vs_trl" / "results.json"
 
 
-def forward_products(size: str, rows: int, kept: int, head: bool) -> Counter:
+@dataclass(frozen=True)
+class Work:
+    """The shapes one PPO iteration multiplies: a Llama-style policy (its reference, reward
+    and critic models share its backbone's shape), ``rollouts`` answers of ``answer``
+    tokens, ``epochs`` PPO epochs of one minibatch."""
+
+    hidden: int
+    inter: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    rollouts: int
+    epochs: int
+    answer: int
+
+    @classmethod
+    def of_size(cls, size: str) -> Work:
+        """``vs_trl.py``'s work at one of its sizes."""
+        hidden, inter, layers, heads, answer = SIZES[size]
+        return cls(
+            hidden, inter, layers, heads, heads, hidden // heads, VOCAB, ROLLOUTS, EPOCHS, answer
+        )
+
+    @classmethod
+    def of_config(cls, config: dict, rollouts: int, epochs: int, answer: int) -> Work:
+        """The work of a Llama ``config.json`` (as a dict)."""
+        heads = config["num_attention_heads"]
+        return cls(
+            config["hidden_size"],
+            config["intermediate_size"],
+            config["num_hidden_layers"],
+            heads,
+            config.get("num_key_value_heads") or heads,
+            config.get("head_dim") or config["hidden_size"] // heads,
+            config["vocab_size"],
+            rollouts,
+            epochs,
+            answer,
+        )
+
+
+def forward_products(work: Work, rows: int, kept: int, head: bool) -> Counter:
     """(m, k, n) → count of the Linear products of one batched forward: ``rows`` positions
     per sequence, the last layer's queries, output projection and MLP on the last ``kept``
     of them, a vocabulary head on those ``kept`` rows where ``head``."""
-    hidden, inter, layers, _, _ = SIZES[size]
-    b = ROLLOUTS
+    w, b = work, work.rollouts
+    q_width, kv_width = w.heads * w.head_dim, w.kv_heads * w.head_dim
     out: Counter = Counter()
-    for layer in range(layers):
-        q_rows = b * (kept if layer == layers - 1 else rows)
-        out[(b * rows, hidden, hidden)] += 2  # keys and values: every position
-        out[(q_rows, hidden, hidden)] += 2  # queries and the output projection
-        out[(q_rows, hidden, inter)] += 2  # gate and up
-        out[(q_rows, inter, hidden)] += 1  # down
+    for layer in range(w.layers):
+        q_rows = b * (kept if layer == w.layers - 1 else rows)
+        out[(b * rows, w.hidden, kv_width)] += 2  # keys and values: every position
+        out[(q_rows, w.hidden, q_width)] += 1  # queries
+        out[(q_rows, q_width, w.hidden)] += 1  # the output projection
+        out[(q_rows, w.hidden, w.inter)] += 2  # gate and up
+        out[(q_rows, w.inter, w.hidden)] += 1  # down
     if head:
-        out[(b * kept, hidden, VOCAB)] += 1
+        out[(b * kept, w.hidden, w.vocab)] += 1
     return out
 
 
@@ -75,85 +120,107 @@ def backward_products(forward: Counter) -> Counter:
     return out
 
 
-def iteration_products(size: str, prompt: int) -> Counter:
+def iteration_products(work: Work, prompt: int) -> Counter:
     """Every Linear product of one iteration (see the module docstring)."""
-    answer = SIZES[size][4]
+    answer = work.answer
     rows = prompt + answer
     total: Counter = Counter()
-    total.update(forward_products(size, prompt, 1, True))  # sampling's prefill
-    for _ in range(answer - 1):  # one 16-row step per further token
-        total.update(forward_products(size, 1, 1, True))
-    policy = forward_products(size, rows, answer, True)
-    critic = forward_products(size, rows, answer, False)
+    total.update(forward_products(work, prompt, 1, True))  # sampling's prefill
+    for _ in range(answer - 1):  # one step of `rollouts` rows per further token
+        total.update(forward_products(work, 1, 1, True))
+    policy = forward_products(work, rows, answer, True)
+    critic = forward_products(work, rows, answer, False)
     total.update(policy)  # the reference's log-probs
-    total.update(forward_products(size, rows, 1, False))  # the reward model's score
-    for _ in range(EPOCHS):
+    total.update(forward_products(work, rows, 1, False))  # the reward model's score
+    for _ in range(work.epochs):
         for model in (policy, critic):
             total.update(model)
             total.update(backward_products(model))
     return total
 
 
-def best_product_seconds(m: int, k: int, n: int) -> float:
-    """Seconds of the fastest (m×k)·(k×n) product over both libraries and all layouts."""
+def set_threads(n: int) -> None:
+    torch.set_num_threads(n)
+    set_numpy_blas_threads(n)
+
+
+def best_product_seconds(m: int, k: int, n: int, threads: int = 1) -> float:
+    """Seconds of the fastest (m×k)·(k×n) product over both libraries and all layouts, on
+    one thread or ``threads`` (a few-row product can be faster on one: no threads to
+    synchronise); leaves ``threads`` set."""
     best = 0.0
     flops = 2 * m * k * n
-    for a_t, b_t in itertools.product((False, True), repeat=2):
-        a = torch.randn(k, m).t() if a_t else torch.randn(m, k)
-        b = torch.randn(n, k).t() if b_t else torch.randn(k, n)
-        an, bn = a.numpy(), b.numpy()
-        best = max(best, rate(lambda a=a, b=b: torch.mm(a, b), flops, seconds=0.15))
-        best = max(best, rate(lambda a=an, b=bn: np.matmul(a, b), flops, seconds=0.15))
+    for t in sorted({1, threads}):
+        set_threads(t)
+        for a_t, b_t in itertools.product((False, True), repeat=2):
+            a = torch.randn(k, m).t() if a_t else torch.randn(m, k)
+            b = torch.randn(n, k).t() if b_t else torch.randn(k, n)
+            an, bn = a.numpy(), b.numpy()
+            best = max(best, rate(lambda a=a, b=b: torch.mm(a, b), flops, seconds=0.15))
+            best = max(best, rate(lambda a=an, b=bn: np.matmul(a, b), flops, seconds=0.15))
+    set_threads(threads)
     return flops / (best * 1e9)
 
 
-def best_attention_seconds(size: str, rows: int, grad: bool) -> float:
-    """Seconds of the fastest causal SDPA (and its backward where ``grad``) on 16 sequences
-    of ``rows`` positions, flash or math kernel, no padding mask."""
-    heads = SIZES[size][3]
-    q, k, v = (torch.randn(ROLLOUTS, heads, rows, HEAD_DIM, requires_grad=grad) for _ in range(3))
-    g = torch.randn(ROLLOUTS, heads, rows, HEAD_DIM)
+def best_attention_seconds(work: Work, rows: int, grad: bool, threads: int = 1) -> float:
+    """Seconds of the fastest causal SDPA (and its backward where ``grad``) on ``rollouts``
+    sequences of ``rows`` positions, flash or math kernel, no padding mask, one thread or
+    ``threads``; with fewer key and value heads than query heads (grouped-query attention)
+    also SDPA's ``enable_gqa`` on the unexpanded keys and values. Leaves ``threads`` set."""
+    w = work
+    q = torch.randn(w.rollouts, w.heads, rows, w.head_dim, requires_grad=grad)
+    g = torch.randn(w.rollouts, w.heads, rows, w.head_dim)
     best = float("inf")
-    for backend in (
-        torch.nn.attention.SDPBackend.FLASH_ATTENTION,
-        torch.nn.attention.SDPBackend.MATH,
-    ):
-        with torch.nn.attention.sdpa_kernel(backend):
+    for t, kv_heads in itertools.product(sorted({1, threads}), sorted({w.heads, w.kv_heads})):
+        set_threads(t)
+        k, v = (
+            torch.randn(w.rollouts, kv_heads, rows, w.head_dim, requires_grad=grad)
+            for _ in range(2)
+        )
+        gqa = {"enable_gqa": True} if kv_heads != w.heads else {}
+        for backend in (
+            torch.nn.attention.SDPBackend.FLASH_ATTENTION,
+            torch.nn.attention.SDPBackend.MATH,
+        ):
+            with torch.nn.attention.sdpa_kernel(backend):
 
-            def call():
-                with torch.set_grad_enabled(grad):
-                    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-                    if grad:
-                        torch.autograd.grad(out, (q, k, v), g)
+                def call(k=k, v=v, gqa=gqa):
+                    with torch.set_grad_enabled(grad):
+                        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
+                        if grad:
+                            torch.autograd.grad(out, (q, k, v), g)
 
-            # rate() returns calls × flops / s / 1e9: with flops = 1e9, calls per second
-            best = min(best, 1 / rate(call, 1e9, seconds=0.3))
+                # rate() returns calls × flops / s / 1e9: with flops = 1e9, calls per second
+                best = min(best, 1 / rate(call, 1e9, seconds=0.3))
+    set_threads(threads)
     return best
 
 
-def floor_seconds(size: str, prompt_tokens: int, table: list[str] | None = None) -> dict:
-    """Measure the floor of one iteration of ``size``: seconds of sampling's 16-row
-    products, of the larger products, of attention, and their ``total``. Appends one
-    markdown row per product shape to ``table`` where given."""
-    torch.set_num_threads(1)
-    set_numpy_blas_threads(1)
+def floor_seconds(
+    work: Work, prompt_tokens: int, table: list[str] | None = None, threads: int = 1
+) -> dict:
+    """Measure the floor of one iteration of ``work`` on up to ``threads`` threads (each
+    product and attention call at the faster of one thread and ``threads``): seconds
+    of sampling's one-token-per-answer products, of the larger products, of attention, and
+    their ``total``. Appends one markdown row per product shape to ``table`` where given."""
+    set_threads(threads)
     out = {"sampling": 0.0, "products": 0.0}
-    products = iteration_products(size, prompt_tokens)
+    products = iteration_products(work, prompt_tokens)
     for (m, k, n), count in sorted(products.items(), key=lambda x: -x[0][0] * x[1]):
-        seconds = best_product_seconds(m, k, n) * count
-        out["sampling" if m <= ROLLOUTS else "products"] += seconds
+        seconds = best_product_seconds(m, k, n, threads) * count
+        out["sampling" if m <= work.rollouts else "products"] += seconds
         if table is not None:
             table.append(
                 f"| {m} × {k} · {k} × {n} | {count} | "
                 f"{2 * m * k * n * count / seconds / 1e9:.0f} | {seconds:.3f} |"
             )
-    layers = SIZES[size][2]
-    out["attention_forward"] = best_attention_seconds(size, prompt_tokens + SIZES[size][4], False)
-    out["attention_backward"] = best_attention_seconds(size, prompt_tokens + SIZES[size][4], True)
+    rows = prompt_tokens + work.answer
+    out["attention_forward"] = best_attention_seconds(work, rows, False, threads)
+    out["attention_backward"] = best_attention_seconds(work, rows, True, threads)
     # the reference's and the reward model's forwards; per epoch policy and critic forward
     # and backward
-    out["attention"] = layers * (
-        2 * out["attention_forward"] + EPOCHS * 2 * out["attention_backward"]
+    out["attention"] = work.layers * (
+        2 * out["attention_forward"] + work.epochs * 2 * out["attention_backward"]
     )
     out["total"] = out["sampling"] + out["products"] + out["attention"]
     return out
@@ -173,7 +240,8 @@ def main() -> None:
     args = ap.parse_args()
     if not set_numpy_blas_threads(1):
         print("warning: numpy's BLAS thread count unknown; set OPENBLAS_NUM_THREADS=1")
-    products = iteration_products(args.size, args.prompt_tokens)
+    work = Work.of_size(args.size)
+    products = iteration_products(work, args.prompt_tokens)
     gflop = sum(2 * m * k * n * c for (m, k, n), c in products.items()) / 1e9
     print(f"{cpu_name()}, torch {torch.__version__}, numpy {np.__version__}, one thread")
     print(f"size {args.size}: {len(products)} product shapes, {gflop:.1f} GFLOP")
@@ -181,7 +249,7 @@ def main() -> None:
         "| m × k · k × n | per iteration | best GFLOP/s | seconds |",
         "| --- | ---: | ---: | ---: |",
     ]
-    floor = floor_seconds(args.size, args.prompt_tokens, table)
+    floor = floor_seconds(work, args.prompt_tokens, table)
     print("\n".join(table))
     print(f"\nproducts of 16 rows or fewer (sampling's steps): {floor['sampling']:.3f} s")
     print(f"larger products (prefill, scoring, training): {floor['products']:.3f} s")

@@ -177,22 +177,19 @@ def _allocator_in_use() -> str:
         return "mimalloc" if "libmimalloc" in f.read() else "system"
 
 
-def run_rlhflab(
+def rlhflab_config(
     folder: Path,
     answer: int,
     iterations: int,
-    levers: bool,
     runtime: str = "native",
     cpu_matmul: str = "numpy",
-    lever_precision: str = "int8",
+    rollouts: int = ROLLOUTS,
+    epochs: int = EPOCHS,
 ) -> dict:
-    import torch
-
-    torch.set_num_threads(1)
-    from rlhflab.config import load_config
-    from rlhflab.trainers.ppo import PPOTrainer
-
-    base = {
+    """rlhflab's side of the equal work, as a config dict: ``folder``'s policy/ and reward/
+    (the critic initialised from the reward model), ``rollouts`` answers of exactly ``answer``
+    tokens, ``epochs`` PPO epochs of one minibatch, TRL 1.12's PPO choices written out."""
+    return {
         "device": "cpu",
         "seed": 0,
         "model": {
@@ -205,7 +202,7 @@ def run_rlhflab(
         },
         "reward": {"model": str(folder / "reward"), "normalize": "none", "clip": None},
         "rollout": {
-            "prompts_per_iteration": ROLLOUTS,
+            "prompts_per_iteration": rollouts,
             "max_new_tokens": answer,
             "ignore_eos": True,
             "temperature": 1.0,
@@ -216,7 +213,7 @@ def run_rlhflab(
         },
         "ppo": {
             "iterations": iterations,
-            "epochs": EPOCHS,
+            "epochs": epochs,
             "minibatches": 1,
             "lr": LR,
             "critic_lr": LR,
@@ -244,6 +241,24 @@ def run_rlhflab(
         },
         "monitor": {"enabled": False},
     }
+
+
+def run_rlhflab(
+    folder: Path,
+    answer: int,
+    iterations: int,
+    levers: bool,
+    runtime: str = "native",
+    cpu_matmul: str = "numpy",
+    lever_precision: str = "int8",
+) -> dict:
+    import torch
+
+    torch.set_num_threads(1)
+    from rlhflab.config import load_config
+    from rlhflab.trainers.ppo import PPOTrainer
+
+    base = rlhflab_config(folder, answer, iterations, runtime, cpu_matmul)
     if levers:
         base["model"].update(
             value_model="shared",
@@ -267,10 +282,31 @@ def timed_fit(trainer) -> dict:
     return _worker_result(start, ticks, gen)
 
 
-def run_trl(folder: Path, answer: int, iterations: int) -> dict:
+def run_trl(
+    folder: Path,
+    answer: int,
+    iterations: int,
+    rollouts: int = ROLLOUTS,
+    epochs: int = EPOCHS,
+    threads: int = 1,
+    pad_token: str | None = None,
+    **overrides,
+) -> dict:
+    """TRL's side of the equal work (see :func:`rlhflab_config`), ``threads`` torch threads.
+    ``pad_token``: a pad token added to the tokenizer first, as TRL's PPO example script
+    does (examples/scripts/ppo/ppo.py: ``add_special_tokens({"pad_token": "[PAD]"})``; TRL
+    builds every mask as ``ids != pad_token_id`` and zeroes those ids before a forward, so
+    the new id never reaches the embedding); ``overrides``: PPOConfig fields that replace
+    the ones set here (e.g. ``bf16=True``)."""
     import torch
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
+    if overrides.get("bf16") or overrides.get("fp16"):
+        # TRL 1.12's PPOTrainer makes its own Accelerator without the config's precision
+        # (ppo_trainer.py: Accelerator(gradient_accumulation_steps=...)) and transformers 5's
+        # TrainingArguments no longer exports it, so bf16=True alone leaves the run in fp32;
+        # through the environment, as `accelerate launch --mixed_precision bf16` passes it
+        os.environ["ACCELERATE_MIXED_PRECISION"] = "bf16" if overrides.get("bf16") else "fp16"
     from datasets import Dataset
     from transformers import (
         AutoModelForCausalLM,
@@ -282,19 +318,21 @@ def run_trl(folder: Path, answer: int, iterations: int) -> dict:
     from trl.experimental.ppo import ppo_trainer as trl_ppo
 
     tok = AutoTokenizer.from_pretrained(folder / "policy", padding_side="left")
+    if pad_token is not None:
+        tok.add_special_tokens({"pad_token": pad_token})
     prompts = [
         json.loads(x)["prompt"] for x in (folder / "prompts.jsonl").read_text().split("\n") if x
     ]
     ds = Dataset.from_dict(
         {"input_ids": [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]}
     )
-    args = PPOConfig(
+    config = dict(
         output_dir=str(folder / "run-trl"),
-        per_device_train_batch_size=ROLLOUTS,
+        per_device_train_batch_size=rollouts,
         gradient_accumulation_steps=1,
         num_mini_batches=1,
-        num_ppo_epochs=EPOCHS,
-        total_episodes=ROLLOUTS * iterations,
+        num_ppo_epochs=epochs,
+        total_episodes=rollouts * iterations,
         response_length=answer,
         stop_token=None,  # full length, as rlhflab's rollout.ignore_eos
         temperature=1.0,
@@ -307,10 +345,11 @@ def run_trl(folder: Path, answer: int, iterations: int) -> dict:
         lam=0.95,
         whiten_rewards=False,
         learning_rate=LR,
-        local_rollout_forward_batch_size=ROLLOUTS,
+        local_rollout_forward_batch_size=rollouts,
         num_sample_generations=0,
         **TRL_COMMON,
     )
+    args = PPOConfig(**{**config, **overrides})
     policy = AutoModelForCausalLM.from_pretrained(folder / "policy")
     ref = AutoModelForCausalLM.from_pretrained(folder / "policy")
     reward = AutoModelForSequenceClassification.from_pretrained(folder / "reward", num_labels=1)
@@ -344,7 +383,11 @@ def run_trl(folder: Path, answer: int, iterations: int) -> dict:
     )
     start = time.perf_counter()
     trainer.train()
-    return _worker_result(start, ticks, gen)
+    # the precision TRL's accelerator ran in ("no" = fp32)
+    return {
+        **_worker_result(start, ticks, gen),
+        "mixed_precision": trainer.accelerator.mixed_precision,
+    }
 
 
 def worker_main(argv: list[str]) -> None:
@@ -400,19 +443,19 @@ def useful_flops(size: str, prompt_tokens: int, levers: bool = False) -> float:
     return ROLLOUTS * (sample + causal_lm + reward + train)
 
 
-def frozen_precision_rates(size: str, prompt_tokens: int) -> dict[str, float]:
-    """GFLOP/s of one no-grad Linear of this size's MLP shape (hidden → intermediate, all
+def frozen_precision_rates(
+    hidden: int, inter: int, rows: int, threads: int = 1
+) -> dict[str, float]:
+    """GFLOP/s of one no-grad Linear of an MLP shape (hidden → intermediate, ``rows``: all
     rollout tokens) in bf16 and in int8 (torch's dynamic quantisation, as rlhflab's
-    ``int8`` precision runs it), one thread: which low precision the levers' reference and
-    reward model should take here (bf16 is fast only where the CPU multiplies bf16 natively,
-    e.g. AMX; int8 on AVX2/AVX-512 VNNI)."""
+    ``int8`` precision runs it) on ``threads`` threads: which low precision the levers'
+    reference and reward model should take here (bf16 is fast only where the CPU multiplies
+    bf16 natively, e.g. AMX; int8 on AVX2/AVX-512 VNNI)."""
     import torch
     from cpu_matmul import rate  # this folder's benchmark: one timing loop for both scripts
     from torch.ao.quantization import quantize_dynamic
 
-    torch.set_num_threads(1)
-    hidden, inter, _, _, answer = SIZES[size]
-    rows = ROLLOUTS * (prompt_tokens + answer)
+    torch.set_num_threads(threads)
     x, lin = torch.randn(rows, hidden), torch.nn.Linear(hidden, inter, bias=False)
     with warnings.catch_warnings():  # torch.ao's deprecation notices, not ours to act on
         warnings.simplefilter("ignore")
@@ -466,35 +509,42 @@ def run_side(
     cpu_matmul: str = "numpy",
     lever_precision: str = "int8",
 ) -> dict:
+    worker_args = [side, str(folder), str(SIZES[size][4]), str(iterations)]
+    worker_args += [runtime, cpu_matmul, lever_precision]
+    return launch(python, worker_args, allocator, ours=side != "trl", what=f"{side} {size}")
+
+
+def launch(
+    python: str,
+    worker_args: list[str],
+    allocator: str = "system",
+    threads: int = 1,
+    ours: bool = True,
+    script: Path = Path(__file__),
+    what: str = "worker",
+) -> dict:
+    """Run ``script --worker *worker_args`` under ``python`` in a fresh process, on
+    ``threads`` threads and the malloc ``allocator`` names, with torch's libraries evicted
+    from the page cache first; the dict its ``RESULT`` line carries. ``ours``: rlhflab's
+    src/ on its path (TRL's venv has no rlhflab)."""
     from rlhflab.backends.allocator import environment
 
     env = {
         **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "MKL_NUM_THREADS": "1",
+        "OMP_NUM_THREADS": str(threads),
+        "MKL_NUM_THREADS": str(threads),
         "TOKENIZERS_PARALLELISM": "false",
     }
     # the malloc the worker starts on: rlhflab's command starts on mimalloc where installed
     # (rlhflab/backends/allocator.py); TRL on the system's unless --trl-allocator says otherwise
     env = environment(allocator, env)
-    env["PYTHONPATH"] = str(HERE.parent / "src") if side != "trl" else ""
-    cmd = [
-        python,
-        str(Path(__file__).resolve()),
-        "--worker",
-        side,
-        str(folder),
-        str(SIZES[size][4]),
-        str(iterations),
-        runtime,
-        cpu_matmul,
-        lever_precision,
-    ]
+    env["PYTHONPATH"] = str(HERE.parent / "src") if ours else ""
+    cmd = [python, str(Path(script).resolve()), "--worker", *worker_args]
     evict_torch_libraries(python)
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
-        raise RuntimeError(f"{side} {size} failed:\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"{what} failed:\n{done.stderr[-3000:]}")
     return json.loads(lines[-1][7:])
 
 
@@ -506,15 +556,16 @@ def evict_torch_libraries(python: str) -> None:
     depends on how the file sits in the page cache (its history: written by pip, read by
     other processes). On this VM the same libtorch_cpu.so, byte for byte, left
     ``import torch`` at 272 MiB in one venv and 224 MiB in the other until both were
-    evicted; then 230 and 224. Neither library's doing, so both sides start cold.
+    evicted; then 230 and 224. Files pip has just written sit in 1 MiB folios, which a fault
+    maps whole: the 0.2M rlhflab worker peaked at 388 MiB on a fresh install against 317
+    after eviction (rlhflab/infra/pagecache.py). Neither library's doing, so both sides
+    start cold. Pages a process has mapped stay cached, so main() evicts rlhflab's before
+    this process imports torch itself.
     """
+    from rlhflab.infra.pagecache import drop
+
     venv = Path(python).parent.parent
-    for lib in venv.glob("lib/python3*/site-packages/torch/lib/*.so*"):
-        fd = os.open(lib, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+    drop(venv.glob("lib/python3*/site-packages/torch/lib/*.so*"))
 
 
 def per_iteration(result: dict, warmup: int) -> list[float]:
@@ -585,6 +636,9 @@ def main() -> None:
         "allocator's share from rlhflab's)",
     )
     args = ap.parse_args()
+    # before anything here imports torch: the pages this process maps are not evicted again
+    # before each worker, so they must be read in cold now (evict_torch_libraries)
+    evict_torch_libraries(sys.executable)
     work = Path(args.work)
     trl_py = str(setup_trl_env(work / f"trl-{TRL_VERSION}"))
     if args.setup:
@@ -602,14 +656,15 @@ def main() -> None:
         print(f"{size}: rlhflab multiplies through {cpu_matmul} ({ceiling})", flush=True)
         lever_precision = args.lever_precision
         if lever_precision == "auto":
-            low = frozen_precision_rates(size, prompt_tokens)
+            hidden, inter, _, _, answer = SIZES[size]
+            low = frozen_precision_rates(hidden, inter, ROLLOUTS * (prompt_tokens + answer))
             lever_precision = max(low, key=low.get)
             print(f"{size}: levers' reference and reward in {lever_precision} ({low})", flush=True)
         floor = None
         if not args.no_floor:
-            from time_floor import floor_seconds  # this folder's benchmark
+            from time_floor import Work, floor_seconds  # this folder's benchmark
 
-            floor = floor_seconds(size, prompt_tokens)
+            floor = floor_seconds(Work.of_size(size), prompt_tokens)
             print(f"{size}: floor {floor['total']:.3f} s per iteration", flush=True)
         runs: dict[str, list] = {"rlhflab": [], "trl": [], "rlhflab-levers": []}
         for _ in range(args.rounds):  # A B A B

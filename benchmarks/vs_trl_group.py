@@ -254,6 +254,7 @@ def main() -> None:
     ap.add_argument("--allocator", default="auto", choices=("auto", "mimalloc", "system"))
     ap.add_argument("--trl-allocator", default="system", choices=("auto", "mimalloc", "system"))
     args = ap.parse_args()
+    base.evict_torch_libraries(sys.executable)  # before this process imports torch (vs_trl.py)
     work = Path(args.work)
     base.TRL_VERSION = TRL_VERSION  # setup_trl_env installs the module's version
     trl_py = str(base.setup_trl_env(work / f"trl-{TRL_VERSION}"))

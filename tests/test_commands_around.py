@@ -2,6 +2,7 @@
 with a separate critic, a LoRA run with a shared value head), made once per module."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -120,7 +121,7 @@ def test_export_adapter_loads_with_peft_on_the_named_base(runs, tmp_path, capsys
     base_dir = json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"]
     assert "preset:nano" in said and base_dir in said  # which base it needs
     adapter = PeftModel.from_pretrained(hf(base_dir), str(out)).eval()
-    run_policy = load_policy(str(runs["lora"])).lm
+    run_policy = load_policy(Path(runs["lora"])).lm  # a pathlib.Path is taken as its string
     assert torch.equal(logits(adapter), logits(run_policy))
 
 

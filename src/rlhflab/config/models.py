@@ -232,3 +232,57 @@ class RewardConfig:
         "before reward.normalize. 'none': the score as it is.",
         choices=("none", "par"),
     )
+    refresh_every: int | None = setting(
+        None,
+        "Reward-model refresh (online / iterated RLHF: Bai et al. 2022 refreshed theirs "
+        "weekly on the newest policy's answers): after every N-th PPO iteration the current "
+        "policy answers that iteration's prompts twice, a labeller judges each pair "
+        "(reward.refresh_labeller, or the built-in annotator with the rm.* settings), the "
+        "reward model (each member of reward.ensemble) is fine-tuned on them and PPO goes on "
+        "scoring with it. Its weights go into every checkpoint (checkpoints/step-N/reward, a "
+        "reward.model folder), so --resume stays exact. Needs reward.model or "
+        "reward.ensemble in model.reward_precision=fp32, and one process. Cost per refresh: "
+        "two samplings of the batch's prompts, the labeller, refresh_steps forward and "
+        "backward passes of each reward model with its AdamW moments held meanwhile, and "
+        "two scorings of the pairs (accuracy before and after). None or 0: off, a fixed "
+        "reward model as InstructGPT used: a refresh needs a labeller, which only the "
+        "built-in task has for free (docs/hacking.md).",
+        low=0,
+    )
+    refresh_labeller: str | None = setting(
+        None,
+        "Who labels a refresh's pairs: 'module:function' called as fn(prompts, answers_a, "
+        "answers_b) with three equal-length lists of strings, returning one number per pair "
+        "in [0, 1] (1: answer a is better, 0: answer b is, 0.5: a tie; values between are "
+        "soft Bradley-Terry targets) for the head 'preference' (or a one-head model's only "
+        "head), or a dict of head name → such a list. None: the built-in annotator with "
+        "rm.noise, rm.length_bias and rm.flattery_bias (set them as the reward model was "
+        "trained), on the built-in task only (data.prompts unset).",
+    )
+    refresh_steps: int = setting(
+        20,
+        "AdamW steps per refresh, for each reward model. Each refresh starts a new AdamW "
+        "(moments from the previous policy's answers would be stale), so no optimiser "
+        "state lives between refreshes. Not tuned here.",
+        low=1,
+    )
+    refresh_batch_size: int = setting(16, "Pairs per refresh step.", low=1)
+    refresh_lr: float = setting(
+        1e-4,
+        "Constant learning rate of a refresh: a fine-tune of a trained model, a fifth of "
+        "rm.lr's default. Not tuned here.",
+        low=0.0,
+        low_open=True,
+    )
+    refresh_replay: float = setting(
+        0.5,
+        "Share of each refresh batch drawn from the reward model's own training pairs "
+        "(rm.data, else the built-in pairs of the rm.* settings; the part `rlhflab rm` "
+        "trained on), the rest from the fresh pairs of every refresh so far. Keeping old "
+        "comparisons beside new ones is what Llama 2 did (Touvron et al. 2023) and one of "
+        "the data schemes Wolf et al. 2025 ('Reward Model Overoptimisation in Iterated "
+        "RLHF') compare; the replay keeps the model from forgetting the answers it was "
+        "trained on. 0: fresh pairs only.",
+        low=0.0,
+        high=1.0,
+    )

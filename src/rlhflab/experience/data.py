@@ -148,6 +148,11 @@ class PreferencePair:
     chosen: str
     rejected: str
     labels: dict = field(default_factory=dict)  # optional per-attribute labels in [0, 1]
+    # whether each answer ended with EOS: every answer of a preference file did; a policy's
+    # answer cut off at max_new_tokens (a reward-model refresh's) did not, and is encoded
+    # without one, as PPO scores it (rewards.encode_for_reward)
+    chosen_ended: bool = True
+    rejected_ended: bool = True
 
 
 def load_preferences(source, tokenizer=None, split="train") -> list[PreferencePair]:

@@ -60,11 +60,13 @@ def save_checkpoint(
     policy_state: dict | None = None,
     critic_state: dict | None = None,
     name: str | None = None,
+    extra_models: dict | None = None,
 ) -> Path:
     """Write ``checkpoints/step-N`` atomically. ``policy_state``/``critic_state`` are full
     (gathered) weights of a sharded policy / CriticValues module; None: read the modules.
     ``name``: another folder name (a halted run's state, ``halted-N``), which ``--resume``
-    and ``log.keep_last`` leave alone."""
+    and ``log.keep_last`` leave alone. ``extra_models``: folder name → (model, tokenizer)
+    saved as whole HF folders beside the policy (a refreshed reward model)."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / (name or f"step-{step}")
@@ -89,6 +91,8 @@ def save_checkpoint(
     if cast.critic is not None:
         critic = _strip(critic_state, "model.") if critic_state is not None else None
         _save_lm(cast.critic, tmp / "critic", cast.tokenizer, critic)
+    for folder, (model, tokenizer) in (extra_models or {}).items():
+        _save_lm(model, tmp / folder, tokenizer)
     optimizers = {k: state[k] for k in OPTIMIZER_KEYS if k in state}
     torch.save({k: v for k, v in state.items() if k not in optimizers}, tmp / "state.pt")
     torch.save(optimizers, tmp / "optimizer.pt")

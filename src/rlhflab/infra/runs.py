@@ -10,6 +10,7 @@ trained weights. A shared value head stays behind: only the LM is loaded.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,13 +111,14 @@ def pick_checkpoint(run_dir: Path, which: str = "last") -> Path:
 
 
 def find_policy(
-    spec: str, options: ModelConfig | None = None, checkpoint: str = "last"
+    spec: str | os.PathLike, options: ModelConfig | None = None, checkpoint: str = "last"
 ) -> PolicySource:
     """The policy at ``spec``: a model folder, ``preset:NAME``, a LoRA adapter folder or a
     run directory, found and its tokenizer read. ``options`` (runtime, remote code) read a
     folder; a run directory brings its own. ``checkpoint``: which of a run's checkpoints
     (:func:`pick_checkpoint`)."""
     options = options or ModelConfig()
+    spec = os.fspath(spec)  # a pathlib.Path names a folder as a string does
     if spec.startswith("preset:"):
         return _folder(spec, options)
     path = Path(spec).expanduser()
@@ -136,7 +138,10 @@ def find_policy(
 
 
 def load_policy(
-    spec: str, options: ModelConfig | None = None, checkpoint: str = "last", device="cpu"
+    spec: str | os.PathLike,
+    options: ModelConfig | None = None,
+    checkpoint: str = "last",
+    device="cpu",
 ) -> PolicySource:
     """:func:`find_policy`, then its model loaded (``.lm``)."""
     found = find_policy(spec, options, checkpoint)

@@ -1,10 +1,12 @@
 """Online RLHF with PPO's update. :meth:`PPOTrainer.step` reads top to bottom: 1 generate →
 2 score → 3 missing-EOS penalty (3b PAR shaping) → 4 score normalisation → 5–7 the estimator that
 ppo.advantage_estimator names (:mod:`rlhflab.core.advantages`: gae with a critic, or the
-group baselines grpo / rloo) → 8 PPO epochs → 9 metrics → 10 KL controller; the run loop
-(:mod:`~.loop`) adds 11, the checkpoint. The trainer holds its parts: :class:`~.ppo_epochs.PPOUpdate`
-(step 8; optimisers in :class:`~.update_guard.GuardedUpdate`), :class:`~.ppo_watch.PPOWatch`
-and :class:`~.runstate.CastCheckpoints`. The maths is in :mod:`rlhflab.core.algorithms`.
+group baselines grpo / rloo) → 8 PPO epochs → 9 metrics → 10 KL controller → 11 reward-model
+refresh (optional); the run loop (:mod:`~.loop`) adds 12, the checkpoint. The trainer holds
+its parts: :class:`~.ppo_epochs.PPOUpdate` (step 8; optimisers in
+:class:`~.update_guard.GuardedUpdate`), :class:`~.ppo_watch.PPOWatch`,
+:class:`~.ppo_refresh.RewardRefresh` (step 11) and :class:`~.runstate.CastCheckpoints`.
+The maths is in :mod:`rlhflab.core.algorithms`.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from rlhflab.trainers.ppo_metrics import (
     run_facts,
     sample_rows,
 )
+from rlhflab.trainers.ppo_refresh import RewardRefresh
 from rlhflab.trainers.ppo_watch import PPOWatch
 from rlhflab.trainers.runstate import CastCheckpoints, gathered_rng, wrap_for_parallel
 
@@ -97,6 +100,7 @@ class PPOTrainer:
         }
         self.iteration = 0
         self.run_dir = Path(cfg.log.output_dir)
+        self.refresh = RewardRefresh.build(cfg, self.ctx, self.cast, self.run_dir)  # or None
         self.checkpoints = CastCheckpoints(cfg, self.ctx, self.cast, self.run_dir, self.fsdp)
         trained, shuffle = (self.train_policy, self.train_critic), self.gens["shuffle"]
         self.update = PPOUpdate(  # step 8; owns the optimisers
@@ -194,6 +198,12 @@ class PPOTrainer:
         # 10. KL controller, on the global per-answer KL (the controller's unit)
         self.kl_ctl.update(metrics["objective/kl"], len(rollout) * self.ctx.world)
         self.last_rollout = rollout
+
+        # 11. reward-model refresh (reward.refresh_every): the policy's fresh answers to the
+        # batch's prompts, labelled, fine-tune the reward model the next iterations use
+        if self.refresh is not None and self.refresh.due(self.iteration + 1):
+            distinct = rollout.prompts[:: self.group_size]  # a group's prompt once
+            metrics.update(self.refresh.run(distinct, self.iteration + 1))
         return metrics
 
     def next_prompts(self) -> list[str]:
@@ -356,6 +366,7 @@ class PPOTrainer:
             "monitor": self.monitor.state.state_dict() if self.monitor else {},
             "best": self.watch.best.state_dict(),
             "faults": update["faults"],
+            "refresh": self.refresh.state_dict() if self.refresh is not None else {},
         }
 
     def load_state_dict(self, s: dict) -> None:
@@ -374,6 +385,8 @@ class PPOTrainer:
             self.monitor.state.load_state_dict(s["monitor"])
         if "best" in s:  # checkpoints from 2026-12-06 on
             self.watch.best.load_state_dict(s["best"])
+        if self.refresh is not None and s.get("refresh"):  # a run with refreshes
+            self.refresh.load_state_dict(s["refresh"])
 
     def save(self, iteration: int, name: str | None = None) -> Path:
         """Write checkpoints/step-N or ``name`` (collective; rank 0 writes the files).

@@ -57,6 +57,18 @@ METRICS = {
     "time/train": "seconds in the PPO epochs",
     "time/monitor_probe": "seconds in the monitor's flattery-opener probe (0 when it is off "
     "or skips the iteration: monitor.opener_every)",
+    "time/refresh": "reward.refresh_every: seconds in the reward-model refresh (step 11), "
+    "in the iterations that end with one",
+    "refresh/pairs": "fresh pairs labelled by this refresh (one per distinct prompt of the "
+    "iteration; a pair of identical answers is dropped)",
+    "refresh/pool": "fresh pairs of every refresh so far, which each refresh trains on",
+    "refresh/rm_loss": "mean Bradley-Terry loss of the refresh's steps (over every reward "
+    "model of an ensemble; the batches mix fresh and replayed pairs)",
+    "refresh/rm_accuracy_before": "share of this refresh's pairs with a preference label "
+    "(≠ 0.5) that the reward model's weighted score orders as the labeller did, before the "
+    "fine-tune (absent when no pair has one)",
+    "refresh/rm_accuracy_after": "the same after the fine-tune (pairs it was just trained on: "
+    "a check that it learnt them, not a held-out accuracy)",
     "throughput/tokens_per_sec": "generated answer tokens per second of sampling",
     "memory/peak_mib": "peak resident memory (CPU) or peak allocated (CUDA), MiB",
     "faults/skipped_updates": "updates skipped so far for a non-finite reward, loss or gradient",

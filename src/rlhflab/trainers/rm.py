@@ -84,11 +84,12 @@ def head_targets(
 
 def score_pairs(model, tokenizer, pairs: list[PreferencePair], device) -> torch.Tensor:
     """(2N, K) head scores of the chosen answers, then the rejected ones, each encoded as PPO
-    encodes a finished answer (:func:`rlhflab.experience.rewards.encode_for_reward`: prompt and answer
-    apart, EOS after the answer)."""
+    encodes an answer (:func:`rlhflab.experience.rewards.encode_for_reward`: prompt and answer
+    apart, EOS after an answer that ended: every answer of a preference file)."""
     prompts = [p.prompt for p in pairs] * 2
     answers = [p.chosen for p in pairs] + [p.rejected for p in pairs]
-    ids, mask = encode_for_reward(tokenizer, prompts, answers, [True] * len(answers))
+    ended = [p.chosen_ended for p in pairs] + [p.rejected_ended for p in pairs]
+    ids, mask = encode_for_reward(tokenizer, prompts, answers, ended)
     return reward_scores(model, ids.to(device), mask.to(device))
 
 

@@ -11,6 +11,7 @@ rank its shard. RNG states differ per rank, so all of them are gathered into the
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,6 +26,9 @@ from rlhflab.infra.distributed import (
     shard,
     wrap_trained,
 )
+from rlhflab.trainers.ppo_refresh import plain_module, refreshed_models
+
+log = logging.getLogger(__name__)
 
 
 def wrap_for_parallel(cfg: Config, ctx, cast):
@@ -67,12 +71,16 @@ def gathered_rng(gens: dict[str, torch.Generator], ctx) -> list:
 
 class CastCheckpoints:
     """Checkpoint folders of a PPO-family run: the trained models of the cast (policy, a
-    value head or critic) and the trainer's state, written and read back."""
+    value head or critic) and the trainer's state, written and read back; with
+    reward.refresh_every, the reward models a refresh trains too (``reward/``, or
+    ``reward-i/`` per ensemble member: whole reward-model folders)."""
 
     def __init__(self, cfg: Config, ctx, cast, run_dir: Path, fsdp: bool):
         self.cfg, self.ctx, self.cast = cfg, ctx, cast
         self.run_dir = run_dir
         self.fsdp = fsdp  # sharded weights: gathered to save, broadcast from rank 0 to load
+        # name → ModelReward (a refresh is single-process: never sharded)
+        self.rewards = refreshed_models(cast) if cfg.reward.refresh_every else {}
 
     def save(
         self,
@@ -106,15 +114,38 @@ class CastCheckpoints:
                 policy_state,
                 critic_state,
                 name,
+                {k: (plain_module(r.model), r.tokenizer) for k, r in self.rewards.items()},
             )
         self.ctx.barrier()
         return path
+
+    def _rewards_in(self, path: Path) -> dict:
+        """The reward models to read back from checkpoint ``path``: the refreshed ones; and
+        when this run has reward.refresh_every off but the checkpoint holds refreshed reward
+        models (``reward/``, ``reward-i/``), those too — resuming must not silently go back
+        to the reward model from before the refreshes."""
+        if self.rewards or not any(path.glob("reward*/config.json")):
+            return self.rewards
+        if self.cfg.model.reward_precision != "fp32":
+            raise C.CheckpointError(
+                f"{path}: holds reward models a refresh trained (fp32); this run has "
+                f"reward.refresh_every off and model.reward_precision="
+                f"{self.cfg.model.reward_precision}, so they cannot be read back: resume with "
+                "model.reward_precision=fp32, or start a new run with reward.model pointing "
+                f"at {path / 'reward'}"
+            )
+        log.info("%s: reading back the refreshed reward models of the checkpoint", path)
+        return refreshed_models(self.cast)
 
     def load(self, path: Path) -> dict:
         """Load the weights of checkpoint ``path`` into the cast; returns its state (on
         ranks other than 0 under FSDP without the optimisers' moments, which rank 0 sends)."""
         if not self.fsdp:
-            return C.load_checkpoint(path, self.cast)
+            state = C.load_checkpoint(path, self.cast)
+            for name, reward in self._rewards_in(path).items():
+                if (path / name).is_dir():  # else written before refreshes were switched on
+                    C.load_weights_into(plain_module(reward.model), path / name)
+            return state
         # sharded: rank 0 alone reads the full weights and optimiser states and sends each
         # tensor on, every rank keeping its shard (load_full_state_dict and
         # load_optimizer_state, broadcast from rank 0); the others read only state.pt. Read
