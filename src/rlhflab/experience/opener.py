@@ -123,7 +123,7 @@ def opener_logprobs(
     """
     sp = spellings(tokenizer, phrases, max_tokens).to(prompt_ids.device)
     same = distinct_rows(prompt_ids, prompt_mask)[1] if distinct else None
-    if prefixes is None:
+    if not prefixes:  # None, or no forward kept them (e.g. a path that keeps no caches)
         prefixes = prompt_prefixes(model, prompt_ids, prompt_mask, micro_batch, distinct)
     out = None
     for prefix in _used_once(prefixes):
