@@ -4,7 +4,7 @@ For each preset and layout: the estimate (``memory.estimated_peak``: weights and
 moments, the gradients during the PPO epochs, plus the phases of
 ``memory.iteration_memory``) against the most bytes of tensors a
 real iteration held at once — its second, once the moments exist — followed through
-torch's dispatcher (``memory._NewStorages``). Prompts are all ``rollout.max_prompt_tokens``
+torch's dispatcher (``tensor_bytes.NewStorages``). Prompts are all ``rollout.max_prompt_tokens``
 long and EOS is ignored, so the run is the worst case the estimate plans for. Tensors only:
 a process's resident memory adds its libraries and its allocator's slack on top.
 
@@ -23,13 +23,8 @@ import torch
 
 from rlhflab import models as M
 from rlhflab.config import load_config
-from rlhflab.diagnostics.memory import (
-    _NewStorages,
-    cast_memory,
-    estimated_peak,
-    iteration_memory,
-    optimizer_held_bytes,
-)
+from rlhflab.diagnostics.memory import cast_memory, estimated_peak, iteration_memory
+from rlhflab.diagnostics.tensor_bytes import NewStorages, optimizer_held_bytes
 from rlhflab.models.presets import preset_path
 from rlhflab.trainers.ppo import PPOTrainer
 
@@ -84,7 +79,7 @@ def measure(preset: str, overrides: list[str]) -> tuple[float, float, str]:
         before = sum(m.weights for m in models) + optimizer_held_bytes(
             trainer.opt, trainer.critic_opt
         )
-        tracker = _NewStorages()
+        tracker = NewStorages()
         with tracker:
             trainer.step()
         return estimate / MIB, (before + tracker.peak) / MIB, largest

@@ -12,15 +12,17 @@ from rlhflab.config import load_config
 from rlhflab.diagnostics.memory import (
     ModelMemory,
     PhaseMemory,
-    _NewStorages,
     cache_positions,
     cast_memory,
     estimated_peak,
     format_iteration,
-    forward_backward_bytes,
-    held_by,
     iteration_memory,
     kv_cache_bytes,
+)
+from rlhflab.diagnostics.tensor_bytes import (
+    NewStorages,
+    forward_backward_bytes,
+    held_by,
     optimizer_held_bytes,
 )
 from rlhflab.experience.sampling import cache_kwarg, sample
@@ -144,7 +146,7 @@ def test_the_estimate_is_what_a_real_iteration_holds_at_its_peak(tmp_path, overr
 
     trainer.step()  # the first iteration creates the optimiser moments
     before = sum(m.weights for m in models) + optimizer_held_bytes(trainer.opt, trainer.critic_opt)
-    tracker = _NewStorages()
+    tracker = NewStorages()
     with tracker:
         trainer.step()
     actual = before + tracker.peak

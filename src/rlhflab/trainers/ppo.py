@@ -26,7 +26,6 @@ from rlhflab.experience.cast import ModelCast, build_cast, load_policy_tokenizer
 from rlhflab.experience.rewards import RunningMoments
 from rlhflab.experience.rollout import Rollout, generate_rollout, score_policy, score_rollout
 from rlhflab.experience.sampling import SamplingScores
-from rlhflab.infra import checkpoint as C
 from rlhflab.infra.distributed import (
     global_batch_moments,
     global_moments,
@@ -47,7 +46,12 @@ from rlhflab.trainers.ppo_metrics import (
 )
 from rlhflab.trainers.ppo_refresh import RewardRefresh
 from rlhflab.trainers.ppo_watch import PPOWatch
-from rlhflab.trainers.runstate import CastCheckpoints, gathered_rng, wrap_for_parallel
+from rlhflab.trainers.runstate import (
+    CastCheckpoints,
+    ppo_state,
+    restore_ppo_state,
+    wrap_for_parallel,
+)
 
 __all__ = ["METRICS", "PPOTrainer", "train"]  # METRICS: where docs/ppo.md points
 
@@ -351,42 +355,11 @@ class PPOTrainer:
         return {"iterations": done.steps, "last": done.last, "stop_reason": done.stop_reason}
 
     def state_dict(self) -> dict:
-        update = self.update.guard.state_dict()  # gathers sharded optimiser state: collective
-        return {
-            "iteration": self.iteration,
-            "world": self.ctx.world,
-            "optim": update["optim"],
-            "sched": update["sched"],
-            "kl": self.kl_ctl.state_dict(),
-            "critic_optim": update["critic_optim"],
-            "critic_sched": update["critic_sched"],
-            "rng": gathered_rng(self.gens, self.ctx),
-            "data": self.stream.state_dict(),
-            "moments": self.moments.state_dict(),
-            "monitor": self.monitor.state.state_dict() if self.monitor else {},
-            "best": self.watch.best.state_dict(),
-            "faults": update["faults"],
-            "refresh": self.refresh.state_dict() if self.refresh is not None else {},
-        }
+        """Everything but the weights that resume needs (collective under FSDP)."""
+        return ppo_state(self)
 
     def load_state_dict(self, s: dict) -> None:
-        if int(s.get("world", 1)) != self.ctx.world:
-            raise ConfigError(
-                f"--resume: the checkpoint was written by {s.get('world', 1)} "
-                f"ranks; resume it with the same number, not {self.ctx.world}"
-            )
-        self.iteration = int(s["iteration"])
-        self.update.guard.load_state_dict(s)
-        self.kl_ctl.load_state_dict(s["kl"])
-        C.restore_rng(s["rng"][self.ctx.rank], self.gens)
-        self.stream.load_state_dict(s["data"])
-        self.moments.load_state_dict(s["moments"])
-        if self.monitor is not None and s.get("monitor"):
-            self.monitor.state.load_state_dict(s["monitor"])
-        if "best" in s:  # checkpoints from 2026-12-06 on
-            self.watch.best.load_state_dict(s["best"])
-        if self.refresh is not None and s.get("refresh"):  # a run with refreshes
-            self.refresh.load_state_dict(s["refresh"])
+        restore_ppo_state(self, s)
 
     def save(self, iteration: int, name: str | None = None) -> Path:
         """Write checkpoints/step-N or ``name`` (collective; rank 0 writes the files).

@@ -171,3 +171,49 @@ class CastCheckpoints:
         if not main:
             state.update({k: {} for k in C.OPTIMIZER_KEYS})
         return state
+
+
+def ppo_state(trainer) -> dict:
+    """A :class:`~.ppo.PPOTrainer`'s resumable state beside the weights: optimisers and
+    schedules, KL controller, every rank's random streams, data order, reward moments,
+    monitor, best-gold tracker, faults and the reward refresh's pairs. Gathering sharded
+    optimiser state is a collective: every rank calls this."""
+    update = trainer.update.guard.state_dict()
+    return {
+        "iteration": trainer.iteration,
+        "world": trainer.ctx.world,
+        "optim": update["optim"],
+        "sched": update["sched"],
+        "kl": trainer.kl_ctl.state_dict(),
+        "critic_optim": update["critic_optim"],
+        "critic_sched": update["critic_sched"],
+        "rng": gathered_rng(trainer.gens, trainer.ctx),
+        "data": trainer.stream.state_dict(),
+        "moments": trainer.moments.state_dict(),
+        "monitor": trainer.monitor.state.state_dict() if trainer.monitor else {},
+        "best": trainer.watch.best.state_dict(),
+        "faults": update["faults"],
+        "refresh": trainer.refresh.state_dict() if trainer.refresh is not None else {},
+    }
+
+
+def restore_ppo_state(trainer, s: dict) -> None:
+    """The inverse of :func:`ppo_state`; refuses a checkpoint of another world size."""
+    ctx = trainer.ctx
+    if int(s.get("world", 1)) != ctx.world:
+        raise ConfigError(
+            f"--resume: the checkpoint was written by {s.get('world', 1)} "
+            f"ranks; resume it with the same number, not {ctx.world}"
+        )
+    trainer.iteration = int(s["iteration"])
+    trainer.update.guard.load_state_dict(s)
+    trainer.kl_ctl.load_state_dict(s["kl"])
+    C.restore_rng(s["rng"][ctx.rank], trainer.gens)
+    trainer.stream.load_state_dict(s["data"])
+    trainer.moments.load_state_dict(s["moments"])
+    if trainer.monitor is not None and s.get("monitor"):
+        trainer.monitor.state.load_state_dict(s["monitor"])
+    if "best" in s:  # checkpoints from 2026-12-06 on
+        trainer.watch.best.load_state_dict(s["best"])
+    if trainer.refresh is not None and s.get("refresh"):  # a run with refreshes
+        trainer.refresh.load_state_dict(s["refresh"])
