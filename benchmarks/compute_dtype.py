@@ -1,4 +1,4 @@
-"""model.compute_dtype: seconds per PPO phase in fp32 and bf16, and what bf16 changes.
+"""model.compute_dtype: seconds per PPO phase in fp32, bf16 and fp16, and what each changes.
 
 For one policy (a preset, or a local model folder such as the SmolLM2 conversion of
 docs/real-models.md) the same PPO run (separate critic, toy vowel reward, answers forced to
@@ -6,17 +6,21 @@ full length) is timed under each compute dtype, in its own process: seconds per 
 generate, score and the PPO update (``time/*`` metrics), the median over the iterations after
 the first (a warm-up). Then, on one rollout sampled from the untrained policy:
 
-* the KL between the fp32 and the bf16 policy's next-token distributions, KL(p_fp32 ‖ p_bf16)
-  per answer token (mean and max), both on the same sequences;
-* max |ratio − 1| at the first PPO update under bf16: old log-probs scored under bf16 (no
+* the KL between the fp32 and each 16-bit policy's next-token distributions, KL(p_fp32 ‖
+  p_dtype) per answer token (mean and max), on the same sequences;
+* max |ratio − 1| at the first PPO update under each dtype: old log-probs scored in it (no
   grad, eval mode, one answer per forward: other matrix shapes than training's) against the
-  training forward (grad, train mode, the whole batch), as step 8 computes them;
-* the same two numbers in fp32, for scale.
+  training forward (grad, train mode, the whole batch), as step 8 computes them (fp32's
+  for scale).
+
+fp16 runs with its loss scale (backends/loss_scale.py); the timing run reports whether any
+update overflowed.
 
 Also printed: the CPU model, and whether ``lscpu`` lists amx_bf16 / avx512_bf16 (bf16
 arithmetic in hardware; without it bf16 products are converted to fp32 and back).
 
-    .venv/bin/python benchmarks/compute_dtype.py [--policy preset:small | PATH] [--iterations 3]
+    .venv/bin/python benchmarks/compute_dtype.py [--policy preset:small | PATH] [--iterations 3] \
+        [--dtypes fp32 bf16 fp16]
 """
 
 from __future__ import annotations
@@ -70,12 +74,13 @@ def timing_worker(policy: str, dtype: str, args) -> dict:
         **{k: statistics.median(r[k] for r in timed) for k in PHASES},
         "ratio_max_minus_1": first["policy/ratio_max"] - 1,
         "ratio_mean_minus_1": first["policy/ratio_mean"] - 1,
+        "overflow_skips": rows[-1].get("faults/overflow_skips", 0),
     }
 
 
 def accuracy_worker(policy: str, args) -> dict:
-    """KL(fp32 ‖ bf16) of the next-token distributions on one rollout, and max |ratio − 1| of
-    the first update under each dtype."""
+    """KL(fp32 ‖ dtype) of the next-token distributions on one rollout for each 16-bit dtype
+    of ``args.dtypes``, and max |ratio − 1| of the first update under every dtype."""
     import dataclasses
 
     import torch
@@ -85,9 +90,10 @@ def accuracy_worker(policy: str, args) -> dict:
     from rlhflab.trainers.ppo import PPOTrainer
 
     with tempfile.TemporaryDirectory() as out:
-        cfg = ppo_config(policy, "bf16", args, out)
+        cfg = ppo_config(policy, "fp32", args, out)
         trainer = PPOTrainer(cfg)
-    casts = {"bf16": trainer.cast, "fp32": dataclasses.replace(trainer.cast, compute_dtype="fp32")}
+    dtypes = ["fp32"] + [d for d in args.dtypes if d != "fp32"]
+    casts = {d: dataclasses.replace(trainer.cast, compute_dtype=d) for d in dtypes}
     cast, r = trainer.cast, cfg.rollout
     cast.policy_lm.eval()
     ro = generate_rollout(
@@ -102,8 +108,10 @@ def accuracy_worker(policy: str, args) -> dict:
             with c.autocast():
                 logits = M.causal_forward(cast.policy_lm, seqs, mask, keep_last=T + 1).logits
             logp[name] = torch.log_softmax(logits[:, :T].float(), -1)
-    kl = (logp["fp32"].exp() * (logp["fp32"] - logp["bf16"])).sum(-1)[m]
-    out = {"kl_mean": kl.mean().item(), "kl_max": kl.max().item()}
+    out = {}
+    for name in dtypes[1:]:
+        kl = (logp["fp32"].exp() * (logp["fp32"] - logp[name])).sum(-1)[m]
+        out[f"kl_mean_{name}"], out[f"kl_max_{name}"] = kl.mean().item(), kl.max().item()
     for name, c in casts.items():
         score_rollout(c, ro, r.temperature, 1)  # one answer at a time: unlike training's
         cast.policy.train()
@@ -133,6 +141,7 @@ def run_worker(kind: str, policy: str, dtype: str, args) -> dict:
     cmd = [sys.executable, __file__, "--worker", kind, "--policy", policy, "--dtype", dtype]
     cmd += ["--iterations", str(args.iterations), "--prompts", str(args.prompts)]
     cmd += ["--tokens", str(args.tokens), "--threads", str(args.threads)]
+    cmd += ["--dtypes", *args.dtypes]
     env = {**os.environ, "PYTHONPATH": str(HERE.parent / "src")}
     res = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if res.returncode:
@@ -147,6 +156,9 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8, help="rollout.prompts_per_iteration")
     ap.add_argument("--tokens", type=int, default=32, help="rollout.max_new_tokens")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    ap.add_argument(
+        "--dtypes", nargs="+", default=["fp32", "bf16", "fp16"], choices=("fp32", "bf16", "fp16")
+    )
     ap.add_argument("--worker", choices=("time", "accuracy"), help=argparse.SUPPRESS)
     ap.add_argument("--dtype", default="fp32", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -166,20 +178,27 @@ def main() -> None:
         f"separate critic, 1 epoch, {args.threads} thread(s); median of iterations "
         f"2..{args.iterations}"
     )
-    times = {d: run_worker("time", args.policy, d, args) for d in ("fp32", "bf16")}
-    print("| compute_dtype | generate s | score s | update s | iteration s |")
-    print("| --- | ---: | ---: | ---: | ---: |")
+    times = {d: run_worker("time", args.policy, d, args) for d in args.dtypes}
+    print("| compute_dtype | generate s | score s | update s | iteration s | overflow skips |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for d, t in times.items():
         cells = " | ".join(f"{t[k]:.2f}" for k in PHASES)
-        print(f"| {d} | {cells} | {sum(t[k] for k in PHASES):.2f} |")
-    acc = run_worker("accuracy", args.policy, "bf16", args)
-    print(f"KL(fp32 || bf16) per answer token: mean {acc['kl_mean']:.2e}, max {acc['kl_max']:.2e}")
-    print(
-        f"first update, max |ratio - 1| over answer tokens: bf16 {acc['ratio_gap_bf16']:.2e}, "
-        f"fp32 {acc['ratio_gap_fp32']:.2e}; the bf16 run's first minibatch: ratio_max - 1 "
-        f"{times['bf16']['ratio_max_minus_1']:.2e}, ratio_mean - 1 "
-        f"{times['bf16']['ratio_mean_minus_1']:.2e}"
-    )
+        print(f"| {d} | {cells} | {sum(t[k] for k in PHASES):.2f} | {t['overflow_skips']} |")
+    acc = run_worker("accuracy", args.policy, "fp32", args)
+    for d in args.dtypes:
+        if d != "fp32":
+            print(
+                f"KL(fp32 || {d}) per answer token: mean {acc[f'kl_mean_{d}']:.2e}, "
+                f"max {acc[f'kl_max_{d}']:.2e}"
+            )
+    dtypes = ["fp32"] + [d for d in args.dtypes if d != "fp32"]
+    gaps = ", ".join(f"{d} {acc[f'ratio_gap_{d}']:.2e}" for d in dtypes)
+    print(f"first update, max |ratio - 1| over answer tokens: {gaps}")
+    for d, t in times.items():
+        print(
+            f"the {d} run's first minibatch: ratio_max - 1 {t['ratio_max_minus_1']:.2e}, "
+            f"ratio_mean - 1 {t['ratio_mean_minus_1']:.2e}"
+        )
     print(f"load average after: {os.getloadavg()[0]:.1f}")
 
 

@@ -10,7 +10,10 @@ model, and one with rm.length_head), then one PPO run of the ``hacking`` preset 
 * ``odin``: the length-head reward model (its ``length`` head weight 0);
 * ``refresh``: member 0 refreshed every 2 iterations, 40 steps each (reward.refresh_every,
   reward.refresh_steps) on the policy's answers, labelled by the preset's own annotator
-  (the rm.* settings).
+  (the rm.* settings);
+* ``raise_kl`` / ``stop``: member 0 with ``monitor.response`` raise_kl (β × monitor.kl_factor
+  at every alert) or stop (the run ends, with a checkpoint, at the first alert), reacting
+  only to the gold-free signals (monitor.gold_drop off; the gold reward still measures).
 
 Per run: ``final gold``, the gold reward of the final policy on ``--eval-prompts`` held-out
 prompts (one sampled answer each, diagnostics.evaluate), and ``gold drop``, the best minus
@@ -45,12 +48,13 @@ import statistics
 import time
 from pathlib import Path
 
-GUARDS = ("plain", "wco", "uwo", "par", "odin", "refresh")
+GUARDS = ("plain", "wco", "uwo", "par", "odin", "refresh", "raise_kl", "stop")
 
 
 def guard_overrides(guard: str, run: Path, k: int) -> list[str]:
     members = [str(run / "rm" / f"member-{i}") for i in range(k)]
     ensemble = ["reward.model=null", f"reward.ensemble={json.dumps(members)}"]
+    no_gold_alert = "monitor.gold_drop=null"
     return {
         "plain": [f"reward.model={members[0]}"],
         "wco": ensemble + ["reward.ensemble_combine=wco"],
@@ -62,6 +66,10 @@ def guard_overrides(guard: str, run: Path, k: int) -> list[str]:
             "reward.refresh_every=2",
             "reward.refresh_steps=40",
         ],
+        # the monitor's reactions to its gold-free signals (gold_drop off: the gold reward
+        # only measures, as where a user has none)
+        "raise_kl": [f"reward.model={members[0]}", "monitor.response=raise_kl", no_gold_alert],
+        "stop": [f"reward.model={members[0]}", "monitor.response=stop", no_gold_alert],
     }[guard]
 
 

@@ -1,5 +1,5 @@
-"""model.compute_dtype: trained models' forwards under torch.autocast (bf16) over fp32 master
-weights, in every trainer, on the nano preset (seconds per test)."""
+"""model.compute_dtype: trained models' forwards under torch.autocast (bf16, fp16 with its loss
+scale) over fp32 master weights, in every trainer, on the nano preset (seconds per test)."""
 
 import dataclasses
 import math
@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from rlhflab import models as M
+from rlhflab.backends.loss_scale import LossScaler
 from rlhflab.config import ConfigError, load_config
 from rlhflab.experience.rollout import generate_rollout, score_rollout
 from rlhflab.models.build import finish_models, load_model, load_tokenizer_for, to_trained
@@ -59,13 +60,17 @@ def test_bf16_lowers_the_products_and_keeps_the_heads_in_fp32():
 
 
 def test_config_refuses_what_bf16_or_fp16_cannot_go_with(tmp_path, monkeypatch):
-    with pytest.raises(ConfigError, match=r"model\.compute_dtype: fp16 needs loss scaling"):
-        ppo_cfg(tmp_path, "model.compute_dtype=fp16")
+    step_in_backward = ("ppo.step_in_backward=true", "ppo.max_grad_norm=null")
+    with pytest.raises(ConfigError, match=r"ppo\.step_in_backward: with model\.compute_dtype=fp16"):
+        ppo_cfg(tmp_path, "model.compute_dtype=fp16", *step_in_backward)
+    assert ppo_cfg(tmp_path, "model.compute_dtype=bf16", *step_in_backward).ppo.step_in_backward
+    with pytest.raises(ConfigError, match=r"model\.loss_scale"):
+        ppo_cfg(tmp_path, "model.compute_dtype=fp16", "model.loss_scale=0.5")
     with pytest.raises(ConfigError, match=r"model\.compute_dtype"):
         ppo_cfg(tmp_path, "model.compute_dtype=fp8")
     for stage in ("sft", "rm", "dpo"):  # the supervised stages check it too
         with pytest.raises(ConfigError, match=r"model\.compute_dtype"):
-            load_config(overrides=["model.compute_dtype=fp16"], stage=stage)
+            load_config(overrides=["model.compute_dtype=fp8"], stage=stage)
     with pytest.raises(ConfigError, match=r"model\.cpu_matmul: 'numpy' multiplies fp32"):
         ppo_cfg(tmp_path, "model.compute_dtype=bf16", "model.cpu_matmul=numpy")
     with pytest.raises(ConfigError, match=r"dist\.mixed_precision"):
@@ -76,6 +81,99 @@ def test_config_refuses_what_bf16_or_fp16_cannot_go_with(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda _d=None: "Tesla V100")
     with pytest.raises(ConfigError, match=r"model\.compute_dtype: this GPU \(Tesla V100\)"):
         M.compute_autocast("cuda", "bf16")
+
+
+# ---------------------------------------------------------------------------- fp16 loss scale
+
+
+def test_the_loss_scale_follows_torch_grad_scaler_through_overflows_and_growth():
+    """Same scale after every update as torch.amp.GradScaler, for one pattern of clean and
+    overflowing updates (growth every 3 clean updates, halving on each overflow)."""
+    pattern = [False, False, True, False, False, False, True, True, False, False, False, False]
+    ours = LossScaler(True, init_scale=8.0, growth_interval=3)
+    w = nn.Parameter(torch.ones(4))
+    sgd = torch.optim.SGD([w], lr=0.1)
+    theirs = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=3)
+    for overflow in pattern:
+        theirs.scale(w.sum()).backward()  # GradScaler needs a scaled loss first
+        w.grad = torch.full((4,), math.inf if overflow else 1.0)
+        theirs.step(sgd)  # unscales, finds the inf, skips
+        theirs.update()
+        skipped = ours.update(overflow)
+        assert skipped == overflow
+        assert ours.scale == theirs.get_scale()
+    assert ours.overflows == 3 and ours.scale != 8.0
+    # at the floor an overflow is a real non-finite gradient, for the trainer's guard
+    floor = LossScaler(True, init_scale=2.0)
+    assert floor.update(True) and floor.scale == 1.0
+    assert not floor.update(True) and floor.scale == 1.0
+    off = LossScaler(False, init_scale=1024.0)  # fp32 / bf16: nothing scaled
+    loss = torch.tensor(3.0)
+    assert off.scaled(loss) is loss and off.scale == 1.0 and not off.update(True)
+
+
+def test_without_the_loss_scale_fp16_gradients_underflow_to_zero():
+    """The reason for the scale: a gradient of ~1e-8 flows through fp16 products as 0, and
+    scaled by 2^16 survives and unscales to the fp32 gradient's value."""
+    torch.manual_seed(0)
+    layer, x = nn.Linear(16, 16), torch.randn(8, 16)
+    (layer(x).sum() * 1e-8).backward()
+    exact, layer.weight.grad = layer.weight.grad.clone(), None
+    grads = {}
+    for enabled in (False, True):
+        scaler = LossScaler(enabled)
+        with M.compute_autocast("cpu", "fp16"):
+            out = layer(x)
+        assert out.dtype == torch.float16
+        scaler.scaled(out.float().sum() * 1e-8).backward()
+        scaler.unscale_(layer.parameters())
+        grads[enabled], layer.weight.grad = layer.weight.grad.clone(), None
+    assert torch.count_nonzero(grads[False]) == 0
+    assert torch.allclose(grads[True], exact, rtol=1e-2, atol=0)
+
+
+def test_fp16_ppo_starts_at_ratio_one_with_fp32_master_weights_and_logs_the_scale(tmp_path):
+    t = PPOTrainer(ppo_cfg(tmp_path, "model.compute_dtype=fp16"))
+    rows = [t.step() for _ in range(2)]
+    first = t.first_minibatch
+    assert abs(first["policy/ratio_mean"] - 1) < 1e-5 and first["policy/approx_kl"] < 1e-8
+    assert rows[0]["objective/kl"] == pytest.approx(0.0, abs=1e-6)
+    assert all(math.isfinite(v) for row in rows for v in row.values())
+    assert rows[-1]["faults/loss_scale"] == 2.0**16 and rows[-1]["faults/overflow_skips"] == 0
+    assert t.skipped_total == 0
+    for model in (t.cast.policy, t.cast.critic):
+        assert all(q.dtype == torch.float32 for q in model.parameters())
+    assert "faults/loss_scale" not in PPOTrainer(ppo_cfg(tmp_path, out="fp32")).step()
+
+
+def test_an_fp16_overflow_skips_the_update_and_halves_the_scale_without_a_halt(tmp_path):
+    t = PPOTrainer(ppo_cfg(tmp_path, "model.compute_dtype=fp16", "model.loss_scale=1e30"))
+    before = [q.detach().clone() for q in t.cast.policy.parameters()]
+    row = t.step()  # 4 updates, each overflowing at this scale: none is applied
+    assert row["faults/overflow_skips"] == 4 and row["faults/loss_scale"] == 1e30 / 16
+    assert row["faults/skipped_updates"] == 0 and t.update.guard.consecutive_bad == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, t.cast.policy.parameters()))
+
+
+def test_fp16_resume_is_bit_identical_with_the_loss_scale_in_the_checkpoint(tmp_path):
+    """The scale grows after every clean update here and halves on overflows, so a resume
+    that restarted it would train differently."""
+    extra = (
+        "model.compute_dtype=fp16",
+        "model.loss_scale_growth_interval=1",
+        "model.loss_scale=2e4",
+    )
+    straight = PPOTrainer(ppo_cfg(tmp_path, *extra, "ppo.iterations=4", out="a"))
+    straight.fit()
+    half = PPOTrainer(ppo_cfg(tmp_path, *extra, "ppo.iterations=4", out="b"))
+    half.cfg.ppo.iterations = 2  # stop after 2 (a checkpoint at step 2), as if killed
+    half.fit()
+    assert half.update.guard.scaler.scale != 2e4
+    resumed = PPOTrainer(ppo_cfg(tmp_path, *extra, "ppo.iterations=4", out="b"))
+    resumed.fit(resume=True)
+    assert resumed.update.guard.scaler.state_dict() == straight.update.guard.scaler.state_dict()
+    for a, b in zip(straight.cast.policy.parameters(), resumed.cast.policy.parameters()):
+        assert torch.equal(a, b)
 
 
 # ---------------------------------------------------------------------------- PPO
@@ -238,3 +336,39 @@ def test_bf16_dpo_starts_at_log2_with_fp32_master_weights(tmp_path):
     assert all(q.dtype == torch.float32 for q in t.policy.parameters())
     moments = [v for s in t.opt.state.values() for v in s.values() if v.is_floating_point()]
     assert moments and all(v.dtype == torch.float32 for v in moments)
+
+
+@pytest.mark.parametrize("stage", ["sft", "dpo"])
+def test_fp16_supervised_stages_scale_their_loss_and_checkpoint_the_scale(tmp_path, stage):
+    if stage == "sft":
+        overrides = ["sft.examples=16", "sft.batch_size=4", f"sft.output_dir={tmp_path / 'o'}"]
+        cfg = load_config(
+            overrides=[
+                "model.policy=preset:nano",
+                "device=cpu",
+                "model.compute_dtype=fp16",
+                "model.loss_scale=1e30",
+                *overrides,
+            ],
+            stage="sft",
+        )
+        t = sft_trainer(cfg)
+        weights = lambda: list(t.model.parameters())  # noqa: E731
+    else:
+        cfg = load_config(
+            base={
+                "device": "cpu",
+                "model": {"policy": "preset:nano", "value_model": "none"},
+                "dpo": {"pairs": 40, "steps": 2, "batch_size": 8, "lr": 1e-3},
+                "log": {"output_dir": str(tmp_path / "dpo"), "progress": False},
+            },
+            overrides=["model.compute_dtype=fp16", "model.loss_scale=1e30"],
+            stage="dpo",
+        )
+        t = DPOTrainer(cfg)
+        weights = lambda: list(t.policy.parameters())  # noqa: E731
+    before = [q.detach().clone() for q in weights()]
+    assert math.isfinite(t.step()["loss"])  # overflowed at 1e30: skipped, no halt
+    assert all(torch.equal(a, b) for a, b in zip(before, weights()))
+    assert t.state_dict()["loss_scale"] == {"scale": 5e29, "clean_steps": 0, "overflows": 1}
+    assert all(q.dtype == torch.float32 for q in weights())

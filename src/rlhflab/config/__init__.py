@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from rlhflab.config import base as configbase
 from rlhflab.config.base import ConfigError, section, setting
-from rlhflab.config.models import FP16_COMPUTE_REFUSED, PRECISIONS, ModelConfig, RewardConfig
+from rlhflab.config.models import PRECISIONS, ModelConfig, RewardConfig
 from rlhflab.config.run import DataConfig, DistConfig, LogConfig, MonitorConfig
 from rlhflab.config.stages import (
     STAGE_DEFAULTS,
@@ -257,8 +257,12 @@ def _check_compute_dtype(cfg: Config) -> None:
     """model.compute_dtype against the settings it cannot go with (the device-dependent
     checks are models.precision's, once the device is known)."""
     mc = cfg.model
-    if mc.compute_dtype == "fp16":
-        raise ConfigError(FP16_COMPUTE_REFUSED)
+    if mc.compute_dtype == "fp16" and cfg.ppo.step_in_backward:
+        raise ConfigError(
+            "ppo.step_in_backward: with model.compute_dtype=fp16 an overflow of the scaled "
+            "gradients is only known once the backward is over, after some weights were "
+            "already updated; set ppo.step_in_backward to false, or compute_dtype to bf16"
+        )
     if mc.compute_dtype != "fp32" and mc.cpu_matmul == "numpy":
         raise ConfigError(
             f"model.cpu_matmul: 'numpy' multiplies fp32 matrices, and model.compute_dtype="

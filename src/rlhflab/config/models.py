@@ -7,11 +7,6 @@ from dataclasses import dataclass
 from rlhflab.config.base import setting
 
 PRECISIONS = ("fp32", "bf16", "fp16", "int8")
-# why model.compute_dtype=fp16 is refused (config validation and models.precision say it)
-FP16_COMPUTE_REFUSED = (
-    "model.compute_dtype: fp16 needs loss scaling (torch.amp.GradScaler), which rlhflab "
-    "does not run: small gradients underflow to 0 without it; use bf16"
-)
 
 
 @dataclass
@@ -67,12 +62,32 @@ class ModelConfig:
         "faster where the hardware multiplies it natively (GPUs from Ampere on, CPUs with "
         "AMX); on a CPU without it, slower (2-3x per PPO iteration on this project's Xeon "
         "VM: docs/real-models.md, 'Precision'). fp32 stays the default: it keeps runs "
-        "bit-exact, and no GPU measurement here says otherwise. 'fp16' is refused: "
-        "without loss scaling (torch.amp.GradScaler, which would have to fit "
-        "ppo.step_in_backward, the per-model clip and the skip of non-finite updates) "
-        "small gradients underflow to 0. Not with cpu_matmul=numpy (numpy multiplies "
-        "fp32 only) nor dist.mixed_precision (fsdp's own parameter casting).",
+        "bit-exact, and no GPU measurement here says otherwise. 'fp16' autocasts to fp16 "
+        "(GPUs before Ampere, or to match a checkpoint's training) with dynamic loss "
+        "scaling (loss_scale): small gradients that would underflow to 0 in fp16 are "
+        "lifted into its range, and an update whose scaled gradients overflow is skipped "
+        "and the scale halved (backends/loss_scale.py). On a CPU fp16 products are "
+        "emulated: ~10x slower than fp32 on this project's Xeon VM; use bf16 there. Not "
+        "with ppo.step_in_backward (an overflow is only known after some weights are "
+        "updated), cpu_matmul=numpy (numpy multiplies fp32 only) nor "
+        "dist.mixed_precision (fsdp's own parameter casting).",
         choices=("fp32", "bf16", "fp16"),
+    )
+    loss_scale: float = setting(
+        2.0**16,
+        "Initial loss scale with compute_dtype=fp16 (torch.amp.GradScaler's default, 2^16): "
+        "the loss is multiplied by it before backward and the gradients divided by it "
+        "before the clip and AdamW. Halved on every update whose gradients overflow (that "
+        "update is skipped, counted in faults/overflow_skips, not in ppo.max_bad_updates), "
+        "doubled after loss_scale_growth_interval clean updates; at 1 an overflow counts "
+        "as a non-finite gradient. Ignored for fp32 and bf16 (bf16 has fp32's range).",
+        low=1.0,
+    )
+    loss_scale_growth_interval: int = setting(
+        2000,
+        "Clean updates in a row after which the fp16 loss scale doubles (GradScaler's "
+        "default). Ignored for fp32 and bf16.",
+        low=1,
     )
     reference_precision: str = setting(
         "fp32",

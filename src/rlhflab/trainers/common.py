@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from rlhflab.backends.loss_scale import LossScaler
 from rlhflab.backends.optim import FusedAdamW, LambdaSchedule
 from rlhflab.builtin import tasks
 from rlhflab.config import Config
@@ -122,15 +123,36 @@ def build_optimizer_simple(params, lr: float):
 
 
 def supervised_step(
-    model, opt, sched, loss: torch.Tensor, step: int, halt: Halt, max_norm: float = 1.0
+    model,
+    opt,
+    sched,
+    loss: torch.Tensor,
+    step: int,
+    halt: Halt,
+    max_norm: float = 1.0,
+    scaler: LossScaler | None = None,
 ) -> float:
     """Backward, clip, step and clear for SFT, RM and DPO; returns the loss value. A loss or
     gradient that is not finite raises ``halt``'s error before the weights change (a NaN
-    gradient would make every weight NaN and the next loss too)."""
+    gradient would make every weight NaN and the next loss too). With an enabled
+    ``scaler`` (model.compute_dtype=fp16) the loss is scaled before backward and the
+    gradients unscaled before the clip; an overflow then skips this step's update (weights
+    and schedule unchanged) and lowers the scale instead of halting."""
     halt.check(loss, step, "loss")
-    loss.backward()
+    scaler = scaler or LossScaler(enabled=False)
+    scaler.scaled(loss).backward()
+    scaler.unscale_(model.parameters())
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    if not bool(torch.isfinite(norm)):
+    overflow = not bool(torch.isfinite(norm))
+    if scaler.update(overflow):
+        opt.zero_grad(set_to_none=True)
+        log.info(
+            "step %d: fp16 gradients overflowed; step skipped, loss scale now %g",
+            step,
+            scaler.scale,
+        )
+        return loss.item()
+    if overflow:
         opt.zero_grad(set_to_none=True)
         raise halt.error(step, "gradient")
     opt.step()
@@ -193,6 +215,7 @@ def single_model_state(trainer) -> dict:
         "optim": trainer.opt.state_dict(),
         "sched": trainer.sched.state_dict(),
         "rng": C.rng_state(trainer.gens),
+        "loss_scale": trainer.scaler.state_dict(),
     }
 
 
@@ -202,3 +225,4 @@ def load_single_model_state(trainer, s: dict) -> None:
     trainer.opt.load_state_dict(s["optim"])
     trainer.sched.load_state_dict(s["sched"])
     C.restore_rng(s["rng"], trainer.gens)
+    trainer.scaler.load_state_dict(s.get("loss_scale", {}))  # fp16 runs; older checkpoints

@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import torch
 
 from rlhflab import models as M
+from rlhflab.backends.loss_scale import LossScaler
 from rlhflab.config import Config
 from rlhflab.config.base import to_dict
 from rlhflab.config.stages import STAGE_DEFAULTS
@@ -98,6 +99,7 @@ class DPOTrainer:
         params = [q for q in self.policy.parameters() if q.requires_grad]
         self.opt = build_optimizer_simple(params, d.lr)
         self.sched = build_scheduler(self.opt, d.warmup_steps, d.steps, "constant")
+        self.scaler = LossScaler.for_model(mc)  # model.compute_dtype=fp16's loss scale
         self.gens = {"batch": torch.Generator().manual_seed(cfg.seed)}
         self.iteration = 0
         self.stop_reason: str | None = None  # DPO runs its steps to the end
@@ -126,7 +128,13 @@ class DPOTrainer:
             d.label_smoothing,
         )
         value = supervised_step(
-            self.policy, self.opt, self.sched, losses.mean(), self.iteration + 1, self.halt
+            self.policy,
+            self.opt,
+            self.sched,
+            losses.mean(),
+            self.iteration + 1,
+            self.halt,
+            scaler=self.scaler,
         )
         return {
             "loss": value,

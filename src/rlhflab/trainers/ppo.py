@@ -324,6 +324,9 @@ class PPOTrainer:
             "faults/skipped_updates": self.skipped_total,
             "lr/policy": self.opt.param_groups[0]["lr"],
         }
+        scaler = self.update.guard.scaler
+        if scaler.enabled:  # model.compute_dtype=fp16
+            run |= {"faults/overflow_skips": scaler.overflows, "faults/loss_scale": scaler.scale}
         in_reward, world = self.cfg.ppo.kl_placement == "reward", self.ctx.world
         return iteration_metrics(
             ro, raw_scores, seq_kl, kl, beta, in_reward, world, train.metrics, adv, times, run

@@ -219,7 +219,7 @@ class PPOUpdate:
         loss = self._micro_loss(ro, i, m, advantages, returns, beta, agg)
         if not self.ctx.all_true(bool(torch.isfinite(loss.total))):
             return None
-        loss.total.backward()
+        self.guard.backward(loss.total)
         if separate and not critic_first:
             critic = self._critic_backward(ro, i, m, returns, agg)
             if critic is None:
@@ -303,7 +303,7 @@ class PPOUpdate:
         value = self._value_loss(values, ro, i, m, returns, agg)
         if not self.ctx.all_true(bool(torch.isfinite(value.loss))):
             return None
-        value.loss.backward()
+        self.guard.backward(value.loss)
         return value
 
     def _value_loss(self, values, ro, i, m, returns, agg) -> ValueLoss:

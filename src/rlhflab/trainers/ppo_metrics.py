@@ -72,6 +72,9 @@ METRICS = {
     "throughput/tokens_per_sec": "generated answer tokens per second of sampling",
     "memory/peak_mib": "peak resident memory (CPU) or peak allocated (CUDA), MiB",
     "faults/skipped_updates": "updates skipped so far for a non-finite reward, loss or gradient",
+    "faults/overflow_skips": "model.compute_dtype=fp16 only: updates skipped so far because the "
+    "scaled gradients overflowed (each halves the loss scale; not counted above)",
+    "faults/loss_scale": "model.compute_dtype=fp16 only: the loss scale after this iteration",
     "lr/policy": "policy learning rate after this iteration",
 }
 

@@ -30,6 +30,7 @@ from dataclasses import asdict
 import torch
 
 from rlhflab import models as M
+from rlhflab.backends.loss_scale import LossScaler
 from rlhflab.builtin import tasks
 from rlhflab.config import Config, ConfigError
 from rlhflab.experience.data import PreferencePair, load_preferences
@@ -238,6 +239,7 @@ class RewardRefresh:
                 p.requires_grad_(True)
             opt = build_optimizer_simple(params, rw.refresh_lr)
             sched = build_scheduler(opt, 0, rw.refresh_steps, "constant")
+            scaler = LossScaler.for_model(self.cfg.model)  # fp16: a fresh scale per refresh
             try:
                 for step in range(1, rw.refresh_steps + 1):
                     batch = self._draw(self.fresh, n_fresh) + self._draw(self.replay, n_replay)
@@ -253,7 +255,9 @@ class RewardRefresh:
                             self.cast.device,
                             odin,
                         )
-                    losses.append(supervised_step(m, opt, sched, loss, step, self.halt))
+                    losses.append(
+                        supervised_step(m, opt, sched, loss, step, self.halt, scaler=scaler)
+                    )
             finally:
                 for p in params:
                     p.requires_grad_(False)

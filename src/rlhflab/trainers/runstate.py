@@ -175,7 +175,7 @@ class CastCheckpoints:
 
 def ppo_state(trainer) -> dict:
     """A :class:`~.ppo.PPOTrainer`'s resumable state beside the weights: optimisers and
-    schedules, KL controller, every rank's random streams, data order, reward moments,
+    schedules, fp16 loss scale, KL controller, every rank's random streams, data order, reward moments,
     monitor, best-gold tracker, faults and the reward refresh's pairs. Gathering sharded
     optimiser state is a collective: every rank calls this."""
     update = trainer.update.guard.state_dict()
@@ -193,6 +193,7 @@ def ppo_state(trainer) -> dict:
         "monitor": trainer.monitor.state.state_dict() if trainer.monitor else {},
         "best": trainer.watch.best.state_dict(),
         "faults": update["faults"],
+        "loss_scale": update["loss_scale"],  # model.compute_dtype=fp16
         "refresh": trainer.refresh.state_dict() if trainer.refresh is not None else {},
     }
 

@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import torch
 
 from rlhflab import models as M
+from rlhflab.backends.loss_scale import LossScaler
 from rlhflab.config import Config
 from rlhflab.config.base import to_dict
 from rlhflab.infra import checkpoint as C
@@ -61,6 +62,7 @@ class SupervisedTrainer:
         s = self.section
         self.opt = build_optimizer_simple(model.parameters(), s.lr)
         self.sched = build_scheduler(self.opt, s.warmup_steps, s.steps, "cosine")
+        self.scaler = LossScaler.for_model(cfg.model)  # model.compute_dtype=fp16's loss scale
         self.gens = {"batch": torch.Generator().manual_seed(cfg.seed)}
         self.out = Path(s.output_dir)
         self.run_dir = self.out / RUN
@@ -82,7 +84,13 @@ class SupervisedTrainer:
         with M.compute_autocast(self.device, self.cfg.model.compute_dtype):
             loss = self.batch_loss(idx)
         value = supervised_step(
-            self.model, self.opt, self.sched, loss, self.iteration + 1, self.halt
+            self.model,
+            self.opt,
+            self.sched,
+            loss,
+            self.iteration + 1,
+            self.halt,
+            scaler=self.scaler,
         )
         self.losses.append(value)
         return {"loss": value, "lr": self.opt.param_groups[0]["lr"]}

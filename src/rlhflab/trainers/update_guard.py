@@ -4,7 +4,11 @@
 a shared backbone's value head) and of a separate critic. :meth:`GuardedUpdate.apply`
 clips each model by its own gradient norm and steps, unless the loss or a gradient is not
 finite: then the update is skipped and counted (:meth:`GuardedUpdate.bad_update`), and
-ppo.max_bad_updates in a row stop the run with a checkpoint of the last good state.
+ppo.max_bad_updates in a row stop the run with a checkpoint of the last good state. Under
+model.compute_dtype=fp16 it also holds the loss scale (:class:`~rlhflab.backends.loss_scale.
+LossScaler`): losses are scaled before backward (:meth:`GuardedUpdate.backward`), gradients
+unscaled before the clip, and an overflow lowers the scale and skips the update without
+counting it as bad.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
+from rlhflab.backends.loss_scale import LossScaler
 from rlhflab.backends.optim import UpdateInBackward, clip_grad_norms
 from rlhflab.config import Config
 from rlhflab.infra import checkpoint as C
@@ -56,6 +61,13 @@ class GuardedUpdate:
         self.iteration = 0  # the iteration being trained (0-based), for messages
         self.in_backward: UpdateInBackward | None = None  # under ppo.step_in_backward
         self.grad_norms: dict[str, float] = {}  # of the last update, before the clip
+        # model.compute_dtype=fp16: one scale for every trained model's loss (a joint
+        # overflow skips the whole update, as a non-finite gradient does)
+        self.scaler = LossScaler.for_model(cfg.model)
+
+    def backward(self, loss) -> None:
+        """Backpropagate a (finite) loss, scaled under fp16."""
+        self.scaler.scaled(loss).backward()
 
     def updating_in_backward(self):
         """The context of one rollout's epochs: under ppo.step_in_backward, AdamW runs
@@ -77,6 +89,7 @@ class GuardedUpdate:
             else {},
             "critic_sched": self.critic_sched.state_dict() if self.critic_sched else {},
             "faults": {"skipped_total": self.skipped_total, "consecutive": self.consecutive_bad},
+            "loss_scale": self.scaler.state_dict(),
         }
 
     def load_state_dict(self, s: dict) -> None:
@@ -90,6 +103,7 @@ class GuardedUpdate:
             self.critic_sched.load_state_dict(s["critic_sched"])
         self.skipped_total = int(s["faults"]["skipped_total"])
         self.consecutive_bad = int(s["faults"]["consecutive"])
+        self.scaler.load_state_dict(s.get("loss_scale", {}))
 
     def _norm_names(self) -> list[str]:
         """The logged gradient-norm name of each optimiser, in (policy, critic) order: a
@@ -110,14 +124,26 @@ class GuardedUpdate:
                 name: [q for g in opt.param_groups for q in g["params"]]
                 for name, opt in zip(self._norm_names(), opts)
             }
+            for params in models.values():
+                self.scaler.unscale_(params)
             self.grad_norms = clip_grad_norms(models, p.max_grad_norm)
             if not all(math.isfinite(n) for n in self.grad_norms.values()):
                 cause = "gradient"
+            # fp16: an overflow lowers the loss scale and skips quietly (not a bad update)
+            if self.scaler.update(overflow=cause is not None):
+                cause = "overflow"
         if cause is not None:
             self.opt.zero_grad(set_to_none=True)
             if self.critic_opt:
                 self.critic_opt.zero_grad(set_to_none=True)
-            self.bad_update(cause)
+            if cause == "overflow":
+                log.info(
+                    "iteration %d: fp16 gradients overflowed; update skipped, loss scale now %g",
+                    self.iteration + 1,
+                    self.scaler.scale,
+                )
+            else:
+                self.bad_update(cause)
             return False
         for opt, sched in ((self.opt, self.sched), (self.critic_opt, self.critic_sched)):
             if opt is not None:
