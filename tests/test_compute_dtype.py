@@ -110,6 +110,10 @@ def test_the_loss_scale_follows_torch_grad_scaler_through_overflows_and_growth()
     off = LossScaler(False, init_scale=1024.0)  # fp32 / bf16: nothing scaled
     loss = torch.tensor(3.0)
     assert off.scaled(loss) is loss and off.scale == 1.0 and not off.update(True)
+    # an fp32/bf16 checkpoint resumed under fp16 starts at the configured scale, not at 1
+    resumed = LossScaler(True, init_scale=1024.0)
+    resumed.load_state_dict(off.state_dict())
+    assert off.state_dict() == {} and resumed.scale == 1024.0
 
 
 def test_without_the_loss_scale_fp16_gradients_underflow_to_zero():
@@ -144,6 +148,19 @@ def test_fp16_ppo_starts_at_ratio_one_with_fp32_master_weights_and_logs_the_scal
     for model in (t.cast.policy, t.cast.critic):
         assert all(q.dtype == torch.float32 for q in model.parameters())
     assert "faults/loss_scale" not in PPOTrainer(ppo_cfg(tmp_path, out="fp32")).step()
+
+
+def test_fp16_gradient_norms_are_the_unscaled_ones_of_policy_and_critic(tmp_path):
+    """Every trained model's gradients are unscaled before their norm, clip and update:
+    fp16's first-minibatch norms are fp32's up to rounding, not 2^16 times them."""
+    first = {}
+    for dtype in ("fp32", "fp16"):
+        t = PPOTrainer(ppo_cfg(tmp_path, f"model.compute_dtype={dtype}", out=dtype))
+        t.step()
+        first[dtype] = t.first_minibatch
+    for key in ("policy/grad_norm", "val/grad_norm"):
+        assert first["fp16"][key] == pytest.approx(first["fp32"][key], rel=5e-2)
+    assert first["fp16"]["val/loss"] == pytest.approx(first["fp32"]["val/loss"], rel=5e-2)
 
 
 def test_an_fp16_overflow_skips_the_update_and_halves_the_scale_without_a_halt(tmp_path):
@@ -370,5 +387,19 @@ def test_fp16_supervised_stages_scale_their_loss_and_checkpoint_the_scale(tmp_pa
     before = [q.detach().clone() for q in weights()]
     assert math.isfinite(t.step()["loss"])  # overflowed at 1e30: skipped, no halt
     assert all(torch.equal(a, b) for a, b in zip(before, weights()))
-    assert t.state_dict()["loss_scale"] == {"scale": 5e29, "clean_steps": 0, "overflows": 1}
+    state = t.state_dict()
+    assert state["loss_scale"] == {"scale": 5e29, "clean_steps": 0, "overflows": 1}
     assert all(q.dtype == torch.float32 for q in weights())
+    fresh = sft_trainer(cfg) if stage == "sft" else DPOTrainer(cfg)
+    assert fresh.scaler.scale == 1e30
+    fresh.load_state_dict(state)  # what a resume does with the checkpoint's state
+    assert fresh.scaler.state_dict() == state["loss_scale"]
+
+
+def test_fp16_with_step_in_backward_is_refused_for_ppo_only(tmp_path):
+    base = ["model.compute_dtype=fp16", "ppo.step_in_backward=true", "ppo.max_grad_norm=null"]
+    for stage in ("sft", "rm", "dpo"):  # they never read ppo.*
+        assert load_config(overrides=base, stage=stage).model.compute_dtype == "fp16"
+    for stage in ("ppo", "grpo"):
+        with pytest.raises(ConfigError, match=r"ppo\.step_in_backward"):
+            load_config(overrides=base, stage=stage)

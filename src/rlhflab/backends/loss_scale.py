@@ -18,7 +18,11 @@ leaves the loss and gradients as they are.
 
 from __future__ import annotations
 
+import logging
+
 import torch
+
+log = logging.getLogger(__name__)
 
 
 class LossScaler:
@@ -62,7 +66,8 @@ class LossScaler:
     @torch.no_grad()
     def unscale_(self, params) -> None:
         """Divide the gradients of ``params`` that exist by S, in place (fp32 gradients of
-        fp32 master weights: exact for a power-of-two S)."""
+        fp32 master weights; exact when S is a power of two, as the default and its halvings
+        and doublings are)."""
         if not self.enabled:
             return
         grads = [q.grad for q in params if q.grad is not None]
@@ -89,6 +94,15 @@ class LossScaler:
                 return False
             self.scale = max(self.scale * self.backoff_factor, self.min_scale)
             self.overflows += 1
+            if self.scale == self.min_scale:
+                # from here an overflow is a non-finite gradient: say so before the guard
+                # counts the next ones toward its halt
+                log.warning(
+                    "fp16 loss scale down to %g after %d overflows: the next non-finite "
+                    "gradient counts as a bad update",
+                    self.scale,
+                    self.overflows,
+                )
             return True
         self.clean_steps += 1
         if self.clean_steps == self.growth_interval:
@@ -97,6 +111,10 @@ class LossScaler:
         return False
 
     def state_dict(self) -> dict:
+        """The scale and its counters; empty when disabled, so that an fp32/bf16 checkpoint
+        resumed under fp16 starts from ``init_scale``, not from a disabled scaler's 1."""
+        if not self.enabled:
+            return {}
         return {"scale": self.scale, "clean_steps": self.clean_steps, "overflows": self.overflows}
 
     def load_state_dict(self, s: dict) -> None:

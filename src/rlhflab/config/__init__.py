@@ -101,7 +101,7 @@ def validate(cfg: Config, stage: str = "ppo", reward_given: bool = False) -> Con
             f"model.lora_r: rlhflab {stage} trains every weight (its folder is the whole "
             "model the next stage starts from); LoRA applies to ppo, grpo, rloo and dpo"
         )
-    _check_compute_dtype(cfg)
+    _check_compute_dtype(cfg, stage)
     if stage in ("sft", "rm", "dpo"):
         return cfg
     if mc.critic_lora_r and mc.value_model in ("shared", "none"):
@@ -253,11 +253,12 @@ def _check_lora_targets(targets: str | list[str]) -> None:
         raise ConfigError("model.lora_targets: empty; name at least one layer or 'all-linear'")
 
 
-def _check_compute_dtype(cfg: Config) -> None:
+def _check_compute_dtype(cfg: Config, stage: str) -> None:
     """model.compute_dtype against the settings it cannot go with (the device-dependent
     checks are models.precision's, once the device is known)."""
     mc = cfg.model
-    if mc.compute_dtype == "fp16" and cfg.ppo.step_in_backward:
+    ppo_family = stage not in ("sft", "rm", "dpo")  # the stages that read ppo.*
+    if mc.compute_dtype == "fp16" and cfg.ppo.step_in_backward and ppo_family:
         raise ConfigError(
             "ppo.step_in_backward: with model.compute_dtype=fp16 an overflow of the scaled "
             "gradients is only known once the backward is over, after some weights were "
