@@ -21,7 +21,8 @@ the final of the training batches' gold reward (monitor/gold, 64 answers an iter
 a trailing 3-iteration moving mean (one batch moves ±0.08). The last lines, one pair per
 guard, are ``final gold <guard>: X ± s`` and ``gold drop <guard>: Y ± s`` (mean ± sample
 std over seeds; ± 0 with one seed). Also printed per guard, first: ``final accuracy``
-(exact answers). Run folders are reused: a finished stage or guard run (its ``guard.json``,
+(exact answers); and the SFT policy's held-out gold and accuracy as row ``sft``, the
+baseline PPO starts from. Run folders are reused: a finished stage or guard run (its ``guard.json``,
 which also records the run's PPO seconds and peak memory) is not rerun, so an interrupted
 benchmark continues where it stopped. ``--preset default`` runs the same guards on the
 default demo preset: the check that a guard costs no gold where nothing is hacked.
@@ -154,6 +155,25 @@ def run_guard(guard: str, seed: int, run: Path, args) -> dict:
     return row
 
 
+def sft_row(seed: int, run: Path, args) -> dict:
+    """The SFT policy PPO starts from, evaluated as the guards' final policies are: the
+    baseline of ``final accuracy`` and ``final gold`` (cached in ``sft-eval.json``)."""
+    cached = run / "sft-eval.json"
+    if cached.exists():
+        return json.loads(cached.read_text())
+    from rlhflab import models as M
+    from rlhflab.diagnostics.evaluate import evaluate_policy, heldout_prompts
+
+    tok = M.load_tokenizer(str(run / "sft"))
+    sft = M.load_causal_lm(str(run / "sft"), tok).eval()
+    prompts = heldout_prompts(args.eval_prompts, seed)
+    result = evaluate_policy(sft, sft, tok, prompts, max_new_tokens=24, seed=seed)
+    row = {"guard": "sft", "seed": seed, "final_gold": result["gold"]}
+    row |= {"final_accuracy": result["accuracy"], "gold_drop": 0.0}
+    cached.write_text(json.dumps(row, indent=2))
+    return row
+
+
 def mean_std(xs: list[float]) -> str:
     return f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs) if len(xs) > 1 else 0.0:.3f}"
 
@@ -177,14 +197,19 @@ def main() -> None:
     rows = []
     for seed in range(args.seeds):
         run, _ = prepare(seed, args)
+        rows.append(sft_row(seed, run, args))
+        print(json.dumps(rows[-1]), flush=True)
         for guard in args.guards:
             row = run_guard(guard, seed, run, args)
             print(json.dumps(row), flush=True)
             rows.append(row)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "hacking_guards.json").write_text(json.dumps(rows, indent=2))
+    for guard in ["sft", *args.guards]:  # accuracy first: the last lines are the targets'
+        accuracy = [r["final_accuracy"] for r in rows if r["guard"] == guard]
+        print(f"final accuracy {guard}: {mean_std(accuracy)}")
     for key, label in (("final_gold", "final gold"), ("gold_drop", "gold drop")):
-        for guard in args.guards:
+        for guard in ["sft", *args.guards] if key == "final_gold" else args.guards:
             print(f"{label} {guard}: {mean_std([r[key] for r in rows if r['guard'] == guard])}")
 
 
