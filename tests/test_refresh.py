@@ -257,6 +257,19 @@ def test_a_labeller_that_returns_bad_labels_is_named(tmp_path, nano_rm):
         )
 
 
+def test_heads_the_built_in_annotator_does_not_label_are_named_without_blaming_a_labeller(
+    tmp_path,
+):
+    from rlhflab.models.presets import build_preset
+
+    rm = build_preset("nano", tmp_path / "rm", seed=3, heads=["tone", "style"])
+    trainer = PPOTrainer(_cfg(tmp_path, rm, "reward.refresh_every=1", "ppo.iterations=1"))
+    with pytest.raises(RewardError, match=r"reward\.refresh_every: the built-in annotator") as e:
+        trainer.step()
+    assert "['style', 'tone']" in str(e.value) or "['tone', 'style']" in str(e.value)
+    assert "set reward.refresh_labeller" in str(e.value)
+
+
 def test_a_one_head_reward_model_of_another_tokenizer_learns_a_list_labeller(tmp_path, foreign_rm):
     """A plain list labels a one-head model's only head; the answers are re-encoded with
     its own tokenizer; the built-in task's pairs are replayed beside them (refresh_replay)."""

@@ -144,7 +144,7 @@ class RewardRefresh:
             for i, lab in zip(keep, labels)
         ]
         for member in self.models.values():
-            _check_heads(pairs, member.head_names)
+            _check_heads(pairs, member.head_names, self.rw.refresh_labeller)
         self.fresh.extend(pairs)
         before = self._accuracy(a, b, keep, labels)
         losses = [self._fine_tune(m) for m in self.models.values()] if self.fresh else []
@@ -293,10 +293,18 @@ def head_targets(pairs: list[PreferencePair], heads: list[str]) -> torch.Tensor:
     return out
 
 
-def _check_heads(pairs: list[PreferencePair], heads: list[str]) -> None:
+def _check_heads(pairs: list[PreferencePair], heads: list[str], labeller: str | None) -> None:
     """A refresh's fresh pairs must label some head of each reward model: else they would
-    add nothing, silently, beside the replayed pairs."""
+    add nothing, silently, beside the replayed pairs. ``labeller``: reward.refresh_labeller,
+    or None for the built-in annotator (whose heads are fixed: the reward model's must be
+    among them)."""
     if pairs and torch.isnan(head_targets(pairs, heads)).all():
+        if labeller is None:
+            raise RewardError(
+                f"reward.refresh_every: the built-in annotator labels {sorted(pairs[0].labels)}, "
+                f"none of the reward model's heads {heads}; set reward.refresh_labeller to a "
+                "function that labels them"
+            )
         raise RewardError(
             f"reward.refresh_labeller: the labels name {sorted(pairs[0].labels)}, none of the "
             f"reward model's heads {heads}; label them by name (return a dict)"
