@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -69,7 +70,8 @@ def timing_worker(policy: str, dtype: str, args) -> dict:
         trainer = PPOTrainer(ppo_config(policy, dtype, args, out))
         rows = [trainer.step() for _ in range(args.iterations)]
     timed = rows[1:] or rows
-    first = trainer.first_minibatch
+    # the first minibatch whose update was applied (none: fp16 overflowed every update)
+    first = trainer.first_minibatch or {"policy/ratio_max": math.nan, "policy/ratio_mean": math.nan}
     return {
         **{k: statistics.median(r[k] for r in timed) for k in PHASES},
         "ratio_max_minus_1": first["policy/ratio_max"] - 1,
