@@ -455,8 +455,18 @@ def test_a_forgotten_key_that_falls_back_to_a_built_in_is_said(tmp_path, caplog)
     from rlhflab.models import load_tokenizer
 
     tok = load_tokenizer(preset_path("nano"))
+    import shutil
+
+    # a policy `rlhflab sft` trained on the built-in task (the demo's): its prompts fit
+    builtin_sft, own_sft = tmp_path / "sft-builtin", tmp_path / "sft-own"
+    for folder, data in ((builtin_sft, "null"), (own_sft, "chats.jsonl")):
+        shutil.copytree(preset_path("nano"), folder)
+        (folder / "run").mkdir()
+        (folder / "run" / "config.yaml").write_text(f"sft:\n  data: {data}\n")
     cases = [
         ([f"model.policy={preset_path('nano')}"], "data.prompts is not set"),
+        ([f"model.policy={own_sft}"], "data.prompts is not set"),
+        ([f"model.policy={builtin_sft}"], None),
         ([f"data.prompts={prompts}"], "model.policy is not set to a folder"),
         ([], None),
     ]

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import yaml
 
 from rlhflab.backends.loss_scale import LossScaler
 from rlhflab.backends.optim import FusedAdamW, LambdaSchedule
@@ -172,7 +173,7 @@ def load_prompt_set(cfg: Config, tokenizer) -> PromptStream:
     the config is the user's own (their model on the toy prompts, or their prompts on a
     random preset), which is rarely what was meant (issue #31)."""
     own_model = not cfg.model.policy.startswith("preset:")
-    if own_model and not cfg.data.prompts:
+    if own_model and not cfg.data.prompts and not _sft_on_builtin_task(cfg.model.policy):
         log.warning(
             "data.prompts is not set: %s trains on the built-in task's prompts; set "
             "data.prompts to a file (or a dataset folder) of your own",
@@ -197,6 +198,18 @@ def load_prompt_set(cfg: Config, tokenizer) -> PromptStream:
     else:
         prompts = [ex.prompt for ex in tasks.make_examples(2000, seed=cfg.seed + 101)]
     return PromptStream(prompts, cfg.rollout.prompts_per_iteration, cfg.seed)
+
+
+def _sft_on_builtin_task(folder: str) -> bool:
+    """Whether ``folder`` is a policy that ``rlhflab sft`` trained on the built-in task (its
+    run/config.yaml names no sft.data): the demo's own pipeline, where the built-in prompts
+    are the point and the warning would be noise."""
+    try:
+        saved = yaml.safe_load((Path(folder) / "run" / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return False
+    sft = saved.get("sft") if isinstance(saved, dict) else None
+    return isinstance(sft, dict) and "data" in sft and sft["data"] is None
 
 
 def progress(iterable, enabled: bool, desc: str, **kwargs):
