@@ -15,6 +15,9 @@ model, and one with rm.length_head), then one PPO run of the ``hacking`` preset 
   at every alert) or stop (the run ends, with a checkpoint, at the first alert), reacting
   only to the gold-free signals (monitor.gold_drop off; the gold reward still measures).
 
+Every guard but ``par`` runs with reward.shaping=none: the default preset shapes with PAR
+itself since issue #29, and ``plain`` there means the reward as it was.
+
 Per run: ``final gold``, the gold reward of the final policy on ``--eval-prompts`` held-out
 prompts (one sampled answer each, diagnostics.evaluate), and ``gold drop``, the best minus
 the final of the training batches' gold reward (monitor/gold, 64 answers an iteration) as
@@ -71,7 +74,7 @@ def guard_overrides(guard: str, run: Path, k: int) -> list[str]:
         # only measures, as where a user has none)
         "raise_kl": [f"reward.model={members[0]}", "monitor.response=raise_kl", no_gold_alert],
         "stop": [f"reward.model={members[0]}", "monitor.response=stop", no_gold_alert],
-    }[guard]
+    }[guard] + ([] if guard == "par" else ["reward.shaping=none"])  # the default preset's PAR off
 
 
 def smoothed_drop(gold: list[float], window: int = 3) -> float:

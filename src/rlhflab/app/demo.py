@@ -60,6 +60,9 @@ PRESETS: dict[str, dict] = {
             "rm.steps": 400,
             "ppo.iterations": 40,
             "reward.heads": {"preference": 1.0, "correctness": 2.0},
+            # PAR (σ(r − r_ref)): on 3 seeds it raised held-out accuracy 0.457 → 0.557 where
+            # the plain reward gave 0.508, at a third of the KL (docs/hacking.md, issue #29)
+            "reward.shaping": "par",
         },
     },
     "hacking": {
