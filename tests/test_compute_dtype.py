@@ -331,18 +331,18 @@ def test_bf16_reward_model_step_is_fp32_s_up_to_rounding(tmp_path):
     assert math.isfinite(out["bf16"]) and out["bf16"] == pytest.approx(out["fp32"], abs=2e-2)
 
 
+def dpo_cfg(tmp_path, *overrides):
+    base = {
+        "device": "cpu",
+        "model": {"policy": "preset:nano", "value_model": "none"},
+        "dpo": {"pairs": 40, "steps": 2, "batch_size": 8, "lr": 1e-3},
+        "log": {"output_dir": str(tmp_path / "dpo"), "progress": False},
+    }
+    return load_config(base=base, overrides=list(overrides), stage="dpo")
+
+
 def test_bf16_dpo_starts_at_log2_with_fp32_master_weights(tmp_path):
-    cfg = load_config(
-        base={
-            "device": "cpu",
-            "model": {"policy": "preset:nano", "value_model": "none"},
-            "dpo": {"pairs": 40, "steps": 2, "batch_size": 8, "lr": 1e-3},
-            "log": {"output_dir": str(tmp_path / "dpo"), "progress": False},
-        },
-        overrides=["model.compute_dtype=bf16"],
-        stage="dpo",
-    )
-    t = DPOTrainer(cfg)
+    t = DPOTrainer(dpo_cfg(tmp_path, "model.compute_dtype=bf16"))
     first = t.step()
     # policy and fp32 reference computed alike: zero implicit rewards at the start
     # (measured: exactly 0; with the reference in fp32 arithmetic, rewards/chosen is 2.5e-5)
@@ -372,16 +372,7 @@ def test_fp16_supervised_stages_scale_their_loss_and_checkpoint_the_scale(tmp_pa
         t = sft_trainer(cfg)
         weights = lambda: list(t.model.parameters())  # noqa: E731
     else:
-        cfg = load_config(
-            base={
-                "device": "cpu",
-                "model": {"policy": "preset:nano", "value_model": "none"},
-                "dpo": {"pairs": 40, "steps": 2, "batch_size": 8, "lr": 1e-3},
-                "log": {"output_dir": str(tmp_path / "dpo"), "progress": False},
-            },
-            overrides=["model.compute_dtype=fp16", "model.loss_scale=1e30"],
-            stage="dpo",
-        )
+        cfg = dpo_cfg(tmp_path, "model.compute_dtype=fp16", "model.loss_scale=1e30")
         t = DPOTrainer(cfg)
         weights = lambda: list(t.policy.parameters())  # noqa: E731
     before = [q.detach().clone() for q in weights()]
