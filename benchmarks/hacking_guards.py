@@ -5,14 +5,15 @@ members trained by ``rlhflab rm`` with rm.ensemble_size, member 0 being the plai
 model, and one with rm.length_head), then one PPO run of the ``hacking`` preset per guard:
 
 * ``plain``: reward.model = member 0 (the demo's reward model);
-* ``wco`` / ``uwo``: reward.ensemble = every member, reward.ensemble_combine = wco / uwo;
+* ``wco`` / ``uwo``: reward.ensemble = every member, reward.ensemble_combine = wco / uwo
+  (members centred on the reference's answers, reward.ensemble_center's default);
 * ``par``: member 0 with reward.shaping = par;
 * ``odin``: the length-head reward model (its ``length`` head weight 0);
 * ``refresh``: member 0 refreshed every 2 iterations, 40 steps each (reward.refresh_every,
   reward.refresh_steps) on the policy's answers, labelled by the preset's own annotator
   (the rm.* settings);
 * ``raise_kl`` / ``stop``: member 0 with ``monitor.response`` raise_kl (β × monitor.kl_factor
-  at every alert) or stop (the run ends, with a checkpoint, at the first alert), reacting
+  once per iteration with an alert, up to monitor.kl_coef_max) or stop (the run ends, with a checkpoint, at the first alert), reacting
   only to the gold-free signals (monitor.gold_drop off; the gold reward still measures).
 
 Every guard but ``par`` runs with reward.shaping=none: the default preset shapes with PAR
@@ -20,10 +21,15 @@ itself since issue #29, and ``plain`` there means the reward as it was.
 
 Per run: ``final gold``, the gold reward of the final policy on ``--eval-prompts`` held-out
 prompts (one sampled answer each, diagnostics.evaluate), and ``gold drop``, the best minus
-the final of the training batches' gold reward (monitor/gold, 64 answers an iteration) as
-a trailing 3-iteration moving mean (one batch moves ±0.08). The last lines, one pair per
-guard, are ``final gold <guard>: X ± s`` and ``gold drop <guard>: Y ± s`` (mean ± sample
-std over seeds; ± 0 with one seed). Also printed per guard, first: ``final accuracy``
+the final of the held-out gold measured the same way at iteration 0 (the SFT policy) and
+every ``--eval-every`` iterations. Every evaluation samples from the same seed on the same
+prompts (common random numbers), so a policy that has not changed scores exactly the same
+and the drop measures the policy, not the sampling. ``batch gold drop`` is the earlier
+measure, best minus final of the training batches' gold (monitor/gold, 64 answers an
+iteration) as a trailing 3-iteration moving mean: one batch moves ±0.08, so its best is
+the luckiest of 50 noisy windows and even an unchanged policy "drops" by about 0.1
+(docs/hacking.md). The last lines, one pair per guard, are ``final gold <guard>: X ± s``
+and ``gold drop <guard>: Y ± s`` (mean ± sample std over seeds; ± 0 with one seed). Also printed per guard, first: ``final accuracy``
 (exact answers); and the SFT policy's held-out gold and accuracy as row ``sft``, the
 baseline PPO starts from. Run folders are reused: a finished stage or guard run (its ``guard.json``,
 which also records the run's PPO seconds and peak memory) is not rerun, so an interrupted
@@ -125,29 +131,57 @@ def run_guard(guard: str, seed: int, run: Path, args) -> dict:
     _, cfg = demo_config(args.preset, seed, args.out, extra)
     t0 = time.perf_counter()
     trainer = PPOTrainer(cfg)
+    prompts = heldout_prompts(args.eval_prompts, seed)
+
+    def evaluate() -> dict:
+        """The policy now on the held-out prompts, sampled from the same seed every time
+        (common random numbers: an unchanged policy gives the same answers and gold)."""
+        policy = trainer.cast.policy_lm
+        was_training = policy.training
+        result = evaluate_policy(
+            policy,
+            trainer.cast.reference,
+            trainer.cast.tokenizer,
+            prompts,
+            reward=trainer.cast.reward,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            seed=seed,
+            device=trainer.device,
+        )
+        policy.train(was_training)
+        return result
+
+    curve, eval_seconds = {}, 0.0
+
+    def evaluate_at(iteration: int, _metrics=None) -> None:
+        nonlocal eval_seconds
+        last = iteration == cfg.ppo.iterations  # evaluated below in any case
+        if args.eval_every and iteration % args.eval_every == 0 and not last:
+            t = time.perf_counter()
+            curve[iteration] = evaluate()["gold"]
+            eval_seconds += time.perf_counter() - t
+
+    evaluate_at(0)
+    trainer.step_hooks.append(evaluate_at)
     trainer.fit()
-    seconds = time.perf_counter() - t0
+    t = time.perf_counter()
+    final = evaluate()
+    eval_seconds += time.perf_counter() - t
+    seconds = time.perf_counter() - t0 - eval_seconds
+    curve[trainer.iteration] = final["gold"]
     metrics = read_jsonl(out / "metrics.jsonl")
     gold = [row["monitor/gold"] for row in metrics]
-    prompts = heldout_prompts(args.eval_prompts, seed)
-    policy = trainer.cast.policy_lm
-    final = evaluate_policy(
-        policy,
-        trainer.cast.reference,
-        trainer.cast.tokenizer,
-        prompts,
-        reward=trainer.cast.reward,
-        max_new_tokens=cfg.rollout.max_new_tokens,
-        seed=seed,
-        device=trainer.device,
-    )
     row = {
         "guard": guard,
         "seed": seed,
         "final_gold": final["gold"],
         "final_accuracy": final["accuracy"],
         "gold_drop": smoothed_drop(gold),
-        # cost: wall seconds of PPO (building the cast included; untimed if the cores were
+        # best minus final of the held-out gold, every --eval-every iterations from 0
+        "heldout_gold": {str(k): v for k, v in sorted(curve.items())},
+        "heldout_drop": max(curve.values()) - final["gold"],
+        # cost: wall seconds of PPO (building the cast included, the held-out evaluations
+        # not; untimed if the cores were
         # shared) and the largest memory/peak_mib any iteration logged (the process's peak
         # resident memory so far, so a later run in the same process reads at least the
         # earlier runs' peak: compare the first guard of a seed with care)
@@ -177,6 +211,29 @@ def sft_row(seed: int, run: Path, args) -> dict:
     return row
 
 
+def unchanged_policy_drop(seed: int, run: Path, iterations: int, args) -> float:
+    """The batch gold drop of a policy that never changes: the SFT policy answers
+    ``iterations`` fresh batches of 64 prompts, as PPO's training batches would be, and
+    :func:`smoothed_drop` reads their gold as it reads a run's: the measure's noise floor."""
+    from rlhflab import models as M
+    from rlhflab.builtin import tasks
+    from rlhflab.diagnostics.evaluate import evaluate_policy
+
+    tok = M.load_tokenizer(str(run / "sft"))
+    sft = M.load_causal_lm(str(run / "sft"), tok).eval()
+    examples = tasks.make_examples(64 * iterations, seed=20_000 + seed)
+    gold = []
+    for i in range(iterations):
+        prompts = [ex.prompt for ex in examples[64 * i : 64 * (i + 1)]]
+        gold.append(evaluate_policy(sft, sft, tok, prompts, seed=1000 * seed + i)["gold"])
+    return smoothed_drop(gold)
+
+
+def values(rows: list[dict], guard: str, key: str) -> list[float]:
+    """``key`` of every row of ``guard`` that has it, in seed order."""
+    return [r[key] for r in rows if r["guard"] == guard and key in r]
+
+
 def mean_std(xs: list[float]) -> str:
     return f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs) if len(xs) > 1 else 0.0:.3f}"
 
@@ -194,13 +251,24 @@ def main() -> None:
     p.add_argument("--iterations", type=int, default=None, help="ppo.iterations (preset: 50)")
     p.add_argument("--ensemble-size", type=int, default=3, help="reward models in the ensemble")
     p.add_argument("--eval-prompts", type=int, default=512, help="held-out prompts per policy")
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=10,
+        help="also evaluate the policy on the held-out prompts at iteration 0 and every N "
+        "iterations, for the held-out gold drop (0: only the final policy)",
+    )
     p.add_argument("--set", nargs="*", default=[], help="extra config overrides KEY=VALUE")
     p.add_argument("--out", default="runs/guards", help="run folders go here")
     args = p.parse_args()
     rows = []
     for seed in range(args.seeds):
-        run, _ = prepare(seed, args)
+        run, cfg = prepare(seed, args)
         rows.append(sft_row(seed, run, args))
+        if "unchanged_drop" not in rows[-1]:  # sft-eval.json from before it: add it
+            iterations = args.iterations or cfg.ppo.iterations
+            rows[-1]["unchanged_drop"] = unchanged_policy_drop(seed, run, iterations, args)
+            (run / "sft-eval.json").write_text(json.dumps(rows[-1], indent=2))
         print(json.dumps(rows[-1]), flush=True)
         for guard in args.guards:
             row = run_guard(guard, seed, run, args)
@@ -211,9 +279,19 @@ def main() -> None:
     for guard in ["sft", *args.guards]:  # accuracy first: the last lines are the targets'
         accuracy = [r["final_accuracy"] for r in rows if r["guard"] == guard]
         print(f"final accuracy {guard}: {mean_std(accuracy)}")
-    for key, label in (("final_gold", "final gold"), ("gold_drop", "gold drop")):
-        for guard in ["sft", *args.guards] if key == "final_gold" else args.guards:
-            print(f"{label} {guard}: {mean_std([r[key] for r in rows if r['guard'] == guard])}")
+    # the training batches' drop, for comparison, and its noise floor: the same measure
+    # on an unchanged policy (the SFT policy's own batches)
+    print(f"batch gold drop unchanged sft: {mean_std(values(rows, 'sft', 'unchanged_drop'))}")
+    for guard in args.guards:
+        print(f"batch gold drop {guard}: {mean_std(values(rows, guard, 'gold_drop'))}")
+    for guard in ["sft", *args.guards]:
+        print(f"final gold {guard}: {mean_std(values(rows, guard, 'final_gold'))}")
+    for guard in args.guards:
+        drops = values(rows, guard, "heldout_drop")
+        if len(drops) < len(values(rows, guard, "gold_drop")):  # a run from before the curve
+            print(f"gold drop {guard}: n/a (rerun it: its folder has no held-out curve)")
+        else:
+            print(f"gold drop {guard}: {mean_std(drops)}")
 
 
 if __name__ == "__main__":

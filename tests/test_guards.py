@@ -114,7 +114,7 @@ def test_a_length_head_gets_weight_zero_unless_named():
 
 class _FakeMember:
     def __init__(self, name, table):
-        self.name, self.head_names, self.table = name, ["a", "b"], table
+        self.name, self.head_names, self.table = name, list(table), table
 
     def __call__(self, batch):
         return {f"{self.name}/{h}": torch.tensor(v) for h, v in self.table.items()}
@@ -134,6 +134,25 @@ def test_ensemble_reward_combines_weighted_head_sums_per_answer():
     bad.head_names = ["a"]
     with pytest.raises(Exception, match=r"reward.ensemble\[1\]"):
         EnsembleReward([m0, bad], {}, "mean", 0.0)
+
+
+def test_centred_members_lose_their_offsets_but_keep_their_disagreement():
+    # rm1 is rm0 plus 10 on every answer (a Bradley-Terry offset) and disagrees on answer 1
+    m0 = _FakeMember("rm0", {"a": [1.0, 2.0, 3.0]})
+    m1 = _FakeMember("rm1", {"a": [11.0, 12.0, 15.0]})
+    ens = EnsembleReward([m0, m1], {"a": 1.0}, "wco", 0.0)
+    batch = RewardBatch(["p", "q", "r"], ["x", "y", "z"])
+    torch.testing.assert_close(ens(batch)[SCORE], torch.tensor([1.0, 2.0, 3.0]))  # rm0 always
+    # centred on answers where rm1 reads 10 more: offsets ∓5 about the members' average
+    offsets = ens.set_offsets(torch.tensor([2.0, 12.0]))
+    torch.testing.assert_close(offsets, torch.tensor([-5.0, 5.0]))
+    out = ens(batch)
+    torch.testing.assert_close(out["ensemble/member1"], torch.tensor([6.0, 7.0, 10.0]))
+    torch.testing.assert_close(out[SCORE], torch.tensor([6.0, 7.0, 8.0]))  # min, level kept
+    torch.testing.assert_close(out[SPREAD], torch.tensor([0.0, 0.0, 1.0]))  # only answer 2
+    torch.testing.assert_close(out["rm/a"], torch.tensor([6.0, 7.0, 9.0]))  # heads uncentred
+    with pytest.raises(Exception, match="reward.ensemble_center"):
+        ens.set_offsets(torch.tensor([1.0, 2.0, 3.0]))
 
 
 @pytest.mark.parametrize(
@@ -243,10 +262,34 @@ def test_rm_trains_an_ensemble_and_ppo_scores_with_it(tmp_path):
     torch.testing.assert_close(trainer.last_rollout.scores, comps[SCORE])
     assert metrics["monitor/ensemble_spread"] == 1.0  # the first iteration is the baseline
     assert "reward-1" in trainer.cast.models()
-    # the length head is left out of each member's sum: member 0's sum is its four heads'
+    # the length head is left out of each member's sum: member 0's sum is its four heads',
+    # less its offset (reward.ensemble_center=reference by default)
     heads = ["preference", "correctness", "brevity", "politeness"]
+    (ens,) = [s for s, _ in trainer.cast.reward.sources if isinstance(s, EnsembleReward)]
     torch.testing.assert_close(
-        comps["ensemble/member0"], sum(_member_head(trainer, 0, h) for h in heads)
+        comps["ensemble/member0"],
+        sum(_member_head(trainer, 0, h) for h in heads) - ens.offsets[0],
+    )
+    # the offsets centre the members on the reference's answers to the same prompts
+    ref = trainer.watch._reference[1]
+    assert ref.prompts == trainer.last_rollout.prompts
+    sums, _ = ens.member_sums(
+        RewardBatch(ref.prompts, ref.responses, ref.sequences, ref.attention_mask, ref.ended)
+    )
+    means = sums.double().mean(1)
+    torch.testing.assert_close(ens.offsets, (means - means.mean()).float())
+    assert ens.offsets.abs().max() > 0  # two seeds, two offsets
+    spread = (ens.offsets.max() - ens.offsets.min()).item()
+    assert metrics["objective/ensemble_offset_range"] == pytest.approx(spread)
+    # 'none' scores with the members as they are
+    raw_run = f"log.output_dir={tmp_path / 'raw'}"
+    raw = PPOTrainer(_ppo_cfg(tmp_path, raw_run, reward={**reward, "ensemble_center": "none"}))
+    raw.step()
+    (raw_ens,) = [s for s, _ in raw.cast.reward.sources if isinstance(s, EnsembleReward)]
+    assert raw_ens.offsets is None
+    torch.testing.assert_close(
+        raw.last_rollout.components["ensemble/member0"],
+        sum(_member_head(raw, 0, h) for h in heads),
     )
 
 

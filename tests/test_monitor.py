@@ -11,6 +11,7 @@ from rlhflab.config import load_config
 from rlhflab.diagnostics.monitor import HackingMonitor, distinct_n, pearson, repeated_ngram_rate
 from rlhflab.experience.rollout import Rollout
 from rlhflab.trainers.ppo import PPOTrainer
+from rlhflab.trainers.ppo_watch import raised_kl_coef
 
 
 def test_repetition_and_correlation_signals():
@@ -102,7 +103,31 @@ def test_raise_kl_response_multiplies_beta(tmp_path):
     t.fit()
     rows = [r for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2
-    assert t.kl_ctl.value == pytest.approx(0.05 * 1.5**2)  # one alert per iteration
+    assert t.kl_ctl.value == pytest.approx(0.05 * 2.0**2)  # an alert each iteration
+
+
+def test_raise_kl_once_per_iteration_up_to_the_ceiling(tmp_path):
+    # three signals alert every iteration (entropy, length, repetition thresholds that
+    # always fire), yet β moves once an iteration, and stops at monitor.kl_coef_max
+    over = ["monitor.response=raise_kl", "monitor.entropy_ratio=10", "monitor.kl_factor=3"]
+    over += ["monitor.length_ratio=0", "monitor.repeated_ngram_rate=-1", "ppo.iterations=3"]
+    t = PPOTrainer(tiny_cfg(tmp_path, *over, "monitor.kl_coef_max=1.0"))
+    t.fit()
+    alerts = [json.loads(r) for r in (tmp_path / "run" / "alerts.jsonl").read_text().splitlines()]
+    assert {a["iteration"] for a in alerts} == {1, 2, 3}
+    assert len(alerts) >= 6  # several alerts an iteration
+    beta = [
+        json.loads(r)["objective/kl_coef"]
+        for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert beta == pytest.approx([0.05, 0.15, 0.45])  # the β each iteration trained with
+    assert t.kl_ctl.value == pytest.approx(1.0)  # 1.35 capped
+
+
+def test_raised_kl_coef_never_lowers_a_beta_above_the_ceiling():
+    assert raised_kl_coef(0.1, 2.0, 10.0) == pytest.approx(0.2)
+    assert raised_kl_coef(8.0, 2.0, 10.0) == 10.0
+    assert raised_kl_coef(20.0, 2.0, 10.0) == 20.0
 
 
 def test_stop_response_checkpoints_and_names_the_signal(tmp_path):

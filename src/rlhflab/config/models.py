@@ -235,6 +235,18 @@ class RewardConfig:
         "a middle value, not tuned here.",
         low=0.0,
     )
+    ensemble_center: str = setting(
+        "reference",
+        "Before reward.ensemble's members are combined, shift each by its mean score on the "
+        "reference policy's answers to the batch's prompts, less the members' average "
+        "(recomputed every iteration, so a refreshed member is centred anew). A "
+        "Bradley-Terry model's offset is arbitrary: uncentred, 'wco' follows whichever "
+        "member sits lowest and 'uwo' counts the offsets as disagreement, which cost the "
+        "default demo gold (docs/hacking.md). Cost: the reference's answers (the monitor's "
+        "reference sampling, shared when monitor.reference_every samples that iteration) "
+        "scored by every member. 'none': the members as they are (and no extra sampling).",
+        choices=("none", "reference"),
+    )
     shaping: str = setting(
         "none",
         "RL reward shaping. 'par' (Preference As Reward, Fu et al. 2025, 'Reward Shaping "

@@ -62,11 +62,25 @@ class MonitorConfig:
     enabled: bool = setting(True, "Compute the reward-hacking signals every iteration.")
     response: str = setting(
         "warn",
-        "What an alert does: 'warn' logs it; 'raise_kl' multiplies β by kl_factor; 'stop' "
+        "What an alert does: 'warn' logs it; 'raise_kl' multiplies β by kl_factor once "
+        "per iteration with an alert, up to kl_coef_max; 'stop' "
         "checkpoints and stops with a message naming the signal and what to try.",
         choices=("warn", "raise_kl", "stop"),
     )
-    kl_factor: float = setting(1.5, "β multiplier for response 'raise_kl'.", low=1.0)
+    kl_factor: float = setting(
+        2.0,
+        "β multiplier for response 'raise_kl', once per iteration with an alert. 2: from "
+        "the hacking demo's β 0.001 to 1 in ten alerting iterations (1.5 took 17, while "
+        "the policy went on drifting; docs/hacking.md).",
+        low=1.0,
+    )
+    kl_coef_max: float = setting(
+        10.0,
+        "Ceiling of response 'raise_kl' on β. Above a few times the reward's per-answer "
+        "spread the KL penalty already dominates the return; unbounded, β grew to 1.3e5 and "
+        "the critic's loss to 1e8 (docs/hacking.md).",
+        low=0.0,
+    )
     gold: str | None = setting(
         None,
         "A gold reward 'module:function' (same contract as reward.functions) to measure "

@@ -27,7 +27,8 @@ Signals (logged as ``monitor/<name>`` every iteration):
   were trained on (Coste et al. 2024).
 
 Each signal has a threshold; crossing it raises an alert, answered by ``monitor.response``:
-``warn`` (log it), ``raise_kl`` (multiply β by ``monitor.kl_factor``), or ``stop``
+``warn`` (log it), ``raise_kl`` (multiply β by ``monitor.kl_factor`` once per iteration
+with an alert, up to ``monitor.kl_coef_max``), or ``stop``
 (checkpoint, then stop with a message saying which signal fired and what to try).
 """
 

@@ -22,7 +22,9 @@ class EnsembleReward:
     Components: ``rm/<head>`` (the members' mean of each head, as one reward model's would
     be named), ``ensemble/member<i>`` (member i's weighted head sum), ``ensemble/std`` (the
     members' population std per answer, :func:`~rlhflab.core.guards.ensemble_spread`) and
-    ``ensemble/score`` (the combined score: the one component to optimise, weight 1)."""
+    ``ensemble/score`` (the combined score: the one component to optimise, weight 1);
+    ``ensemble/member<i>``, the spread and the score come from the centred sums once
+    :meth:`set_offsets` has been called (``rm/<head>`` stays uncentred)."""
 
     name = "ensemble"
 
@@ -40,7 +42,12 @@ class EnsembleReward:
         self.members, self.heads, self.weights = members, heads, weights
         self.combine, self.uwo_lambda = combine, uwo_lambda
 
-    def __call__(self, batch: RewardBatch) -> dict[str, torch.Tensor]:
+        # (k,) subtracted from the members' sums before combining (set_offsets); None: raw
+        self.offsets: torch.Tensor | None = None
+
+    def member_sums(self, batch: RewardBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Each member's weighted head sum (k, B), uncentred, and each head's members' mean
+        (B,) by head name."""
         per_head: dict[str, list[torch.Tensor]] = {h: [] for h in self.heads}
         sums = []
         for m in self.members:
@@ -49,8 +56,30 @@ class EnsembleReward:
             for h, v in values.items():
                 per_head[h].append(v)
             sums.append(sum(self.weights.get(h, 0.0) * v for h, v in values.items()))
-        stack = torch.stack(sums)  # (k, B)
-        out = {f"rm/{h}": torch.stack(v).mean(0) for h, v in per_head.items()}
+        return torch.stack(sums), {h: torch.stack(v).mean(0) for h, v in per_head.items()}
+
+    def set_offsets(self, member_means: torch.Tensor) -> torch.Tensor:
+        """Centre the members from now on (reward.ensemble_center): ``member_means`` (k,), each
+        member's mean sum over the same answers (the reference policy's); member i is then
+        shifted by its mean less the members' average, so every member has the same mean on
+        those answers and the ensemble's own level is kept. Returns the offsets (k,).
+
+        Why: a Bradley–Terry model is trained on score differences, so its offset is
+        arbitrary; uncentred, ``wco``'s minimum follows whichever member happens to sit
+        lowest and ``uwo``'s variance counts the offsets as disagreement (docs/hacking.md)."""
+        if member_means.shape != (len(self.members),):
+            raise RewardError(
+                f"reward.ensemble_center: {tuple(member_means.shape)} means for "
+                f"{len(self.members)} members"
+            )
+        self.offsets = member_means - member_means.mean()
+        return self.offsets
+
+    def __call__(self, batch: RewardBatch) -> dict[str, torch.Tensor]:
+        stack, head_means = self.member_sums(batch)  # (k, B)
+        if self.offsets is not None:
+            stack = stack - self.offsets.to(stack)[:, None]
+        out = {f"rm/{h}": v for h, v in head_means.items()}
         out.update({f"ensemble/member{i}": s for i, s in enumerate(stack)})
         out[SPREAD] = G.ensemble_spread(stack)
         out[SCORE] = G.ensemble_combine(stack, self.combine, self.uwo_lambda)

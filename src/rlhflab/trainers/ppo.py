@@ -1,5 +1,5 @@
-"""Online RLHF with PPO's update. :meth:`PPOTrainer.step` reads top to bottom: 1 generate →
-2 score → 3 missing-EOS penalty (3b PAR shaping) → 4 score normalisation → 5–7 the estimator that
+"""Online RLHF with PPO's update. :meth:`PPOTrainer.step` reads top to bottom: 1 generate
+(1b centre a reward ensemble) → 2 score → 3 missing-EOS penalty (3b PAR shaping) → 4 score normalisation → 5–7 the estimator that
 ppo.advantage_estimator names (:mod:`rlhflab.core.advantages`: gae with a critic, or the
 group baselines grpo / rloo) → 8 PPO epochs → 9 metrics → 10 KL controller → 11 reward-model
 refresh (optional); the run loop (:mod:`~.loop`) adds 12, the checkpoint. The trainer holds
@@ -35,7 +35,7 @@ from rlhflab.infra.distributed import (
 from rlhflab.trainers.common import load_prompt_set
 from rlhflab.trainers.loop import RunLoop
 from rlhflab.trainers.ppo_epochs import EpochStats, PPOUpdate
-from rlhflab.trainers.ppo_guards import par_scores, penalise_missing_eos
+from rlhflab.trainers.ppo_guards import center_ensemble, par_scores, penalise_missing_eos
 from rlhflab.trainers.ppo_metrics import (
     METRICS,
     answer_kl,
@@ -149,6 +149,10 @@ class PPOTrainer:
         t0 = time.perf_counter()
         rollout = self._generate(prompts, reuse, caches.get("policy"))
         times["time/generate"] = time.perf_counter() - t0
+        # 1b. the reward ensemble centred on the reference's answers (optional)
+        centring = {}
+        if self.cfg.reward.ensemble and self.cfg.reward.ensemble_center == "reference":
+            centring = center_ensemble(self.cast, self.watch, self.ctx, rollout, self.iteration)
         # 2. score: old and reference log-probs, values, reward
         t0 = time.perf_counter()
         self._score(rollout, reuse, caches.get("reference"))
@@ -193,7 +197,7 @@ class PPOTrainer:
         # 9. metrics, the same on every rank, then the monitor's reaction to them (9b)
         metrics = self._metrics(rollout, raw_scores, kl, beta, train, adv.metrics, times)
         metrics = self.ctx.mean_metrics(
-            metrics | shaping
+            metrics | shaping | centring
         )  # every rank logs and decides on global means
         metrics.update(self.watch.react(rollout, metrics, openers, self.iteration))
         for cb in self.callbacks:

@@ -1,6 +1,7 @@
-"""Step 3 of a PPO iteration and its optional 3b: the missing-EOS penalty, and PAR reward
-shaping (reward.shaping=par; Fu et al. 2025, "Reward Shaping to Mitigate Reward Hacking
-in RLHF") against the reference policy's answers to the same prompts.
+"""Step 1b of a PPO iteration, step 3 and its optional 3b: the ensemble's centring on the
+reference policy's answers (reward.ensemble_center), the missing-EOS penalty, and PAR
+reward shaping (reward.shaping=par; Fu et al. 2025, "Reward Shaping to Mitigate Reward
+Hacking in RLHF") against the reference policy's answers to the same prompts.
 
 The reference's answers come from :meth:`~.ppo_watch.PPOWatch.reference_rollout` (the
 monitor's reference sampling, shared with it in iterations where it samples too); the
@@ -12,8 +13,28 @@ from __future__ import annotations
 import torch
 
 from rlhflab.core import guards as G
+from rlhflab.experience.ensemble import EnsembleReward
 from rlhflab.experience.rewards import RewardBatch
 from rlhflab.experience.rollout import Rollout
+
+
+@torch.no_grad()
+def center_ensemble(cast, watch, ctx, rollout: Rollout, iteration: int) -> dict[str, float]:
+    """Step 1b (reward.ensemble_center=reference): set the ensemble's member offsets from its
+    members' mean scores on the reference's answers to ``rollout``'s prompts (averaged over
+    every rank, so each rank combines alike) before step 2 scores the policy's answers;
+    returns the spread of the offsets as a metric. Nothing without an ensemble."""
+    ensembles = [s for s, _ in cast.reward.sources if isinstance(s, EnsembleReward)]
+    if not ensembles:
+        return {}
+    ref = watch.reference_rollout(rollout, iteration)
+    batch = RewardBatch(ref.prompts, ref.responses, ref.sequences, ref.attention_mask, ref.ended)
+    sums, _ = ensembles[0].member_sums(batch)
+    means = sums.double().mean(1)
+    if ctx.enabled:  # equal batches on every rank: the mean of the ranks' means
+        means = ctx.all_sum(means.to(ctx.device)).cpu() / ctx.world
+    offsets = ensembles[0].set_offsets(means.float())
+    return {"objective/ensemble_offset_range": (offsets.max() - offsets.min()).item()}
 
 
 def penalise_missing_eos(scores: torch.Tensor, ended: torch.Tensor, penalty) -> torch.Tensor:

@@ -21,6 +21,9 @@ METRICS = {
     "objective/scores/<name>": "mean of each reward component (each head, each function)",
     "objective/ensemble_std": "reward.ensemble: batch mean of the members' per-answer std "
     "of their weighted head sums (disagreement; monitor.ensemble_spread watches its growth)",
+    "objective/ensemble_offset_range": "reward.ensemble_center=reference: largest minus "
+    "smallest member offset (each member's mean on the reference's answers less the "
+    "members' average), what centring removed",
     "objective/reference_scores": "reward.shaping=par: mean score of the reference's answers "
     "to the batch's prompts (after the missing-EOS penalty)",
     "objective/shaped_scores": "reward.shaping=par: mean of σ(score − reference score), the "

@@ -24,6 +24,16 @@ from rlhflab.experience.rollout import Rollout, generate_rollout
 
 log = logging.getLogger(__name__)
 
+
+def raised_kl_coef(beta: float, factor: float, ceiling: float) -> float:
+    """monitor.response=raise_kl's new β after an iteration with alerts: β × ``factor``,
+    at most ``ceiling`` (never lowered by it: a β set above the ceiling stays). Once per
+    iteration however many signals alerted, since the flattery signals are three views of
+    one change and used to multiply β up to three times an iteration (docs/hacking.md: β
+    reached 1.3e5 and the critic's loss 1e8)."""
+    return max(beta, min(beta * factor, ceiling))
+
+
 # A batch's mean k1 KL this many standard errors below zero cannot come from answers that
 # π itself sampled (E[k1] = KL ≥ 0). At z = −4 a correct run is wrongly warned about with
 # probability ~3e-5 per iteration even at KL exactly 0 (normal approximation).
@@ -207,11 +217,11 @@ class PPOWatch:
         alerts = self.monitor.check(it, signals)
         for alert in alerts:
             log.warning("%s", alert.message())
-            if mc.response == "raise_kl":
-                self.kl_ctl.value *= mc.kl_factor
-                log.warning("monitor.response=raise_kl: β → %.4g", self.kl_ctl.value)
-            elif mc.response == "stop" and self.stop_reason is None:
+            if mc.response == "stop" and self.stop_reason is None:
                 self.stop_reason = f"{alert.message()} (monitor.response=stop)"
+        if alerts and mc.response == "raise_kl":
+            self.kl_ctl.value = raised_kl_coef(self.kl_ctl.value, mc.kl_factor, mc.kl_coef_max)
+            log.warning("monitor.response=raise_kl: β → %.4g", self.kl_ctl.value)
         return {**{f"monitor/{k}": v for k, v in signals.items()}, "monitor/alerts": len(alerts)}
 
     def sample_extras(self, n: int) -> list[dict]:
