@@ -329,3 +329,59 @@ def test_odin_length_head_takes_the_length_preference_out_of_the_quality_head(tm
     assert plain > 0.4  # the length-loving annotator's preference follows length
     assert abs(odin) < plain - 0.3
     assert length > 0.8
+
+
+def test_odin_ranks_exempt_heads_on_their_own_scores_and_leaves_them_out():
+    scores = rand(6, 4, seed=3).requires_grad_(True)  # heads a, b(exempt), c, length
+    ranked = G.odin_ranked_scores(scores, 3, [1])
+    loop = torch.stack(
+        [scores[:, k] + (0.0 if k == 1 else 1.0) * scores[:, 3] for k in range(4)], 1
+    )
+    torch.testing.assert_close(ranked, loop)
+    assert G.odin_quality_heads(4, 3, [1]) == [0, 2]
+    weight = rand(4, 5, seed=4)
+    expected = sum((weight[k] @ weight[3]).abs() for k in (0, 2))
+    torch.testing.assert_close(G.head_orthogonality_loss(weight, 3, [0, 2]), expected)
+    ranked.sum().backward()  # differentiable through both terms
+    # the length head feeds a and c, not b, and its own column twice (weight 0 in the loss)
+    assert scores.grad[:, 3].eq(4.0).all() and scores.grad[:, 1].eq(1.0).all()
+
+
+def test_odin_keeps_the_brevity_head_which_is_about_length(tmp_path):
+    def brevity_accuracy(exempt: str) -> float:
+        cfg = load_config(
+            overrides=[
+                "model.policy=preset:nano",
+                "threads=1",
+                "rm.steps=60",
+                "rm.pairs=600",
+                "rm.batch_size=16",
+                "rm.lr=1e-3",
+                "rm.heads={'preference': 1.0, 'brevity': 1.0}",
+                "rm.heldout_fraction=0.25",
+                "rm.length_head=true",
+                f"rm.length_exempt={exempt}",
+                f"rm.output_dir={tmp_path / exempt}",
+                "log.progress=false",
+            ],
+            stage="rm",
+        )
+        return train_rm(cfg)["heldout_accuracy"]["brevity"]
+
+    decorrelated, exempt = brevity_accuracy("[]"), brevity_accuracy("null")  # null: brevity
+    assert exempt > 0.9
+    assert exempt > decorrelated + 0.1
+
+
+def test_odin_refuses_an_exempt_head_it_does_not_have(tmp_path):
+    cfg = load_config(
+        overrides=[
+            "model.policy=preset:nano",
+            "rm.length_head=true",
+            "rm.length_exempt=['brevity', 'tone']",
+            f"rm.output_dir={tmp_path}",
+        ],
+        stage="rm",
+    )
+    with pytest.raises(ConfigError, match=r"rm.length_exempt: 'tone' is not one of the heads"):
+        train_rm(cfg)

@@ -132,6 +132,15 @@ class RMConfig:
         "with an orthogonality loss between their weight rows. PPO gives the 'length' head "
         "weight 0 unless reward.heads names it. Cost: negligible (one more output).",
     )
+    length_exempt: list[str] | None = setting(
+        None,
+        "Heads ODIN leaves alone (rm.length_head): heads whose label is about length itself, "
+        "such as the built-in task's 'brevity' (the shorter of two answers that say the "
+        "same), which decorrelated from length could learn nothing. Their Bradley-Terry "
+        "loss is on their own score, and they are out of the correlation and orthogonality "
+        "losses. None: 'brevity' where rm.heads has it, else none (without it, ODIN cost the "
+        "default demo its brevity signal; docs/hacking.md). Each name must be in rm.heads.",
+    )
     length_loss_weight: float = setting(
         1.0, "Weight of ODIN's correlation loss (rm.length_head); not tuned here.", low=0.0
     )

@@ -83,10 +83,30 @@ def odin_length_loss(
     return loss
 
 
-def head_orthogonality_loss(weight: torch.Tensor, length_index: int) -> torch.Tensor:
-    """ODIN's orthogonality loss on a linear head ``weight`` (K, H): Σ_{k≠length}
+def head_orthogonality_loss(
+    weight: torch.Tensor, length_index: int, quality: list[int] | None = None
+) -> torch.Tensor:
+    """ODIN's orthogonality loss on a linear head ``weight`` (K, H): Σ_{k ∈ quality}
     |w_k · w_length|, so the quality heads read other directions of the last hidden state
-    than the length head (Chen et al. 2024)."""
+    than the length head (Chen et al. 2024). ``quality``: the rows to count (default: every
+    row but the length head's)."""
     w_len = weight[length_index]
-    others = torch.cat([weight[:length_index], weight[length_index + 1 :]])
-    return (others @ w_len).abs().sum()
+    if quality is None:
+        quality = [k for k in range(weight.shape[0]) if k != length_index]
+    return (weight[quality] @ w_len).abs().sum()
+
+
+def odin_quality_heads(num_heads: int, length_index: int, exempt: list[int]) -> list[int]:
+    """The head indices ODIN disentangles from length: all of ``num_heads`` but the length
+    head and the ``exempt`` heads (rm.length_exempt: heads whose label is about length
+    itself, which decorrelated from length could learn nothing)."""
+    return [k for k in range(num_heads) if k != length_index and k not in exempt]
+
+
+def odin_ranked_scores(scores: torch.Tensor, length_index: int, exempt: list[int]) -> torch.Tensor:
+    """The scores (N, K) each head's Bradley-Terry loss ranks under ODIN: a quality head's
+    score plus the length head's (so the length preference of the labels can flow into the
+    length head), an ``exempt`` head's own score alone. Differentiable."""
+    add = torch.ones(scores.shape[1], dtype=scores.dtype, device=scores.device)
+    add[exempt] = 0.0
+    return scores + add * scores[:, length_index : length_index + 1]

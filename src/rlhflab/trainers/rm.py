@@ -102,13 +102,15 @@ def answer_lengths(tokenizer, pairs: list[PreferencePair]) -> torch.Tensor:
 def pair_loss(model, tokenizer, pairs, targets, weights, margin, device, odin=None):
     """Weighted soft Bradley-Terry loss over heads; also returns the (N, K) score gaps.
 
-    ``odin``: None, or (length head index, correlation-loss weight, orthogonality weight)
-    for rm.length_head: each other head's Bradley-Terry loss is then on its score plus the
-    length head's (ODIN: the sum is ranked, so the length preference can flow into the
-    length head), and ODIN's correlation and orthogonality losses are added."""
+    ``odin``: None, or (length head index, correlation-loss weight, orthogonality weight,
+    exempt head indices) for rm.length_head: each other head's Bradley-Terry loss is then on
+    its score plus the length head's (ODIN: the sum is ranked, so the length preference can
+    flow into the length head), and ODIN's correlation and orthogonality losses are added
+    over those heads; the exempt heads (rm.length_exempt) are ranked on their own scores and
+    left out of both."""
     scores = score_pairs(model, tokenizer, pairs, device)
     n = len(pairs)
-    ranked = scores if odin is None else scores + scores[:, odin[0] : odin[0] + 1]
+    ranked = scores if odin is None else G.odin_ranked_scores(scores, odin[0], odin[3])
     diff = scores[:n] - scores[n:]
     total = diff.new_zeros(())
     for k in range(diff.shape[1]):
@@ -120,11 +122,11 @@ def pair_loss(model, tokenizer, pairs, targets, weights, margin, device, odin=No
             total = total + weights[k] * loss_k
     total = total / sum(weights)
     if odin is not None:
-        li, length_w, orth_w = odin
-        quality = torch.cat([scores[:, :li], scores[:, li + 1 :]], 1)
+        li, length_w, orth_w, exempt = odin
+        quality = G.odin_quality_heads(scores.shape[1], li, exempt)
         lengths = answer_lengths(tokenizer, pairs).to(device)
-        total = total + length_w * G.odin_length_loss(quality, scores[:, li], lengths)
-        total = total + orth_w * G.head_orthogonality_loss(model.score.weight, li)
+        total = total + length_w * G.odin_length_loss(scores[:, quality], scores[:, li], lengths)
+        total = total + orth_w * G.head_orthogonality_loss(model.score.weight, li, quality)
     return total, diff.detach()
 
 
@@ -285,6 +287,22 @@ def train_rm(cfg: Config, resume: bool = False) -> dict:
     return {**members[0], "members": members, "ensemble": [m["output_dir"] for m in members]}
 
 
+def odin_settings(r, heads: list[str]) -> tuple | None:
+    """:func:`pair_loss`'s ``odin`` for a reward model with heads ``heads`` (the length head
+    last, or among them) under the rm settings ``r``: None without a length head. Its exempt
+    heads are rm.length_exempt: None is the built-in task's 'brevity' head where there is
+    one; a named head the model lacks is an error."""
+    if LENGTH_HEAD not in heads:
+        return None
+    names = [h for h in ("brevity",) if h in heads] if r.length_exempt is None else r.length_exempt
+    for h in names:
+        if h not in heads or h == LENGTH_HEAD:
+            quality = [x for x in heads if x != LENGTH_HEAD]
+            raise ConfigError(f"rm.length_exempt: {h!r} is not one of the heads {quality}")
+    exempt = [heads.index(h) for h in names]
+    return heads.index(LENGTH_HEAD), r.length_loss_weight, r.orthogonal_weight, exempt
+
+
 def rm_trainer(cfg: Config) -> SupervisedTrainer:
     """The reward-model run of ``cfg``; the held-out pairs ride along as ``trainer.heldout``
     for :func:`run_rm`."""
@@ -294,8 +312,8 @@ def rm_trainer(cfg: Config) -> SupervisedTrainer:
     heads = list(r.heads)
     if not heads:
         raise ConfigError("rm.heads: at least one head is needed")
-    odin = (len(heads), r.length_loss_weight, r.orthogonal_weight) if r.length_head else None
     all_heads = heads + [LENGTH_HEAD] if r.length_head else heads
+    odin = odin_settings(r, all_heads)
     init = r.init or cfg.model.policy
     tokenizer = load_tokenizer_for(init, cfg.model, "rm.init")  # renders chat rows
     # the data is read before the model is loaded: a bad row is reported in seconds
