@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 import rlhflab.trainers.ppo as ppo_module
+import rlhflab.trainers.ppo_watch as ppo_watch
 from rlhflab.config import load_config
 from rlhflab.experience.rollout import Rollout, left_pad
 from rlhflab.trainers.ppo import PPOTrainer
@@ -79,6 +80,7 @@ if __name__ == "__main__":
     mode, out = sys.argv[1], sys.argv[2]
     if mode == "equiv":  # one update on fixed rollouts; rank 0 saves the weights
         ppo_module.generate_rollout = fixed_rollout
+        ppo_watch.generate_rollout = fixed_rollout  # the reference's answers too
         t = PPOTrainer(config(out + "-run", *sys.argv[3:]))
         t.fit()
         from rlhflab.infra.distributed import full_state_dict

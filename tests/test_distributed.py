@@ -102,6 +102,25 @@ def test_two_ranks_and_one_rank_make_the_same_first_update(tmp_path, runtime):
     assert diff < 1e-5 and critic_diff < 1e-5  # ... and the same whatever the rank layout
 
 
+def test_a_centred_reward_ensemble_makes_the_same_update_on_two_ranks(tmp_path):
+    # each rank's reference answers differ; the members' means are averaged over ranks,
+    # so both ranks centre, and combine, as one rank does on the whole batch
+    from rlhflab.config import load_config
+    from rlhflab.trainers.rm import train_rm
+
+    rm = ["model.policy=preset:nano", "threads=1", "rm.steps=3", "rm.pairs=24"]
+    rm += ["rm.batch_size=4", "rm.ensemble_size=2", f"rm.output_dir={tmp_path / 'rm'}"]
+    members = train_rm(load_config(overrides=[*rm, "log.progress=false"], stage="rm"))["ensemble"]
+    reward = ["reward.functions={}", f"reward.ensemble={json.dumps(members)}"]
+    reward.append("reward.ensemble_combine=wco")
+    one, two = tmp_path / "one.pt", tmp_path / "two.pt"
+    torchrun(1, "equiv", str(one), *reward)
+    torchrun(2, "equiv", str(two), *reward)
+    a, b = torch.load(one), torch.load(two)
+    diff = max((a["policy"][k] - b["policy"][k]).abs().max().item() for k in a["policy"])
+    assert diff < 1e-5
+
+
 def test_a_lora_critic_under_ddp_makes_the_same_update_as_on_one_rank(tmp_path, monkeypatch):
     """model.critic_lora_r (issue #26) under DDP: frozen backbone, adapters and head."""
     import rlhflab.trainers.ppo as ppo_module
