@@ -75,10 +75,12 @@ class MonitorConfig:
         low=1.0,
     )
     kl_coef_max: float = setting(
-        10.0,
-        "Ceiling of response 'raise_kl' on β. Above a few times the reward's per-answer "
-        "spread the KL penalty already dominates the return; unbounded, β grew to 1.3e5 and "
-        "the critic's loss to 1e8 (docs/hacking.md).",
+        100.0,
+        "Ceiling of response 'raise_kl' on β: a safety net, since β keeps rising while an "
+        "alert persists. Unbounded, β grew to 1.3e5 and the critic's loss to 1e8; at 10 the "
+        "hacking demo's policy settled 0.1 nats from the reference and kept flattering "
+        "more than it (held-out gold 0.21 against SFT's 0.28), at 100 it came back (0.26; "
+        "docs/hacking.md).",
         low=0.0,
     )
     gold: str | None = setting(
