@@ -353,8 +353,8 @@ def test_odin_keeps_the_brevity_head_which_is_about_length(tmp_path):
             overrides=[
                 "model.policy=preset:nano",
                 "threads=1",
-                "rm.steps=60",
-                "rm.pairs=600",
+                "rm.steps=30",
+                "rm.pairs=300",
                 "rm.batch_size=16",
                 "rm.lr=1e-3",
                 "rm.heads={'preference': 1.0, 'brevity': 1.0}",
@@ -369,8 +369,8 @@ def test_odin_keeps_the_brevity_head_which_is_about_length(tmp_path):
         return train_rm(cfg)["heldout_accuracy"]["brevity"]
 
     decorrelated, exempt = brevity_accuracy("[]"), brevity_accuracy("null")  # null: brevity
-    assert exempt > 0.9
-    assert exempt > decorrelated + 0.1
+    assert exempt > 0.85  # 0.92 when written; decorrelated: 0.19, below chance
+    assert exempt > decorrelated + 0.3
 
 
 def test_odin_refuses_an_exempt_head_it_does_not_have(tmp_path):
