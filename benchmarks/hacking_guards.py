@@ -106,7 +106,9 @@ def prepare(seed: int, args) -> tuple[Path, object]:
         ens = copy.deepcopy(cfg)
         ens.rm.ensemble_size = args.ensemble_size
         train_rm(ens)
-    if not (run / "rm-odin" / "config.json").exists():
+    odin_config = run / "rm-odin" / "config.json"
+    # a length-head model from before rm.length_exempt (no record of it) is trained again
+    if not odin_config.exists() or "odin_exempt" not in json.loads(odin_config.read_text()):
         odin = copy.deepcopy(cfg)
         odin.rm.length_head, odin.rm.output_dir = True, str(run / "rm-odin")
         train_rm(odin)
@@ -176,10 +178,11 @@ def run_guard(guard: str, seed: int, run: Path, args) -> dict:
         "seed": seed,
         "final_gold": final["gold"],
         "final_accuracy": final["accuracy"],
+        # the training batches' drop ("batch gold drop"; the key predates the held-out one)
         "gold_drop": smoothed_drop(gold),
         # best minus final of the held-out gold, every --eval-every iterations from 0
         "heldout_gold": {str(k): v for k, v in sorted(curve.items())},
-        "heldout_drop": max(curve.values()) - final["gold"],
+        **({"heldout_drop": max(curve.values()) - final["gold"]} if len(curve) > 1 else {}),
         # cost: wall seconds of PPO (building the cast included, the held-out evaluations
         # not; untimed if the cores were
         # shared) and the largest memory/peak_mib any iteration logged (the process's peak
@@ -265,9 +268,10 @@ def main() -> None:
     for seed in range(args.seeds):
         run, cfg = prepare(seed, args)
         rows.append(sft_row(seed, run, args))
-        if "unchanged_drop" not in rows[-1]:  # sft-eval.json from before it: add it
-            iterations = args.iterations or cfg.ppo.iterations
+        iterations = args.iterations or cfg.ppo.iterations
+        if rows[-1].get("unchanged_iterations") != iterations:  # absent, or another length
             rows[-1]["unchanged_drop"] = unchanged_policy_drop(seed, run, iterations, args)
+            rows[-1]["unchanged_iterations"] = iterations
             (run / "sft-eval.json").write_text(json.dumps(rows[-1], indent=2))
         print(json.dumps(rows[-1]), flush=True)
         for guard in args.guards:

@@ -252,6 +252,7 @@ def test_rm_trains_an_ensemble_and_ppo_scores_with_it(tmp_path):
         json.loads((tmp_path / "rm" / f"member-{i}" / "config.json").read_text()) for i in (0, 1)
     ]
     assert all(c["id2label"]["4"] == "length" for c in cfgs)  # after the four default heads
+    assert all(c["odin_exempt"] == ["brevity"] for c in cfgs)  # what a refresh reads back
     reward = {"ensemble": folders, "ensemble_combine": "uwo", "uwo_lambda": 1.0}
     trainer = PPOTrainer(_ppo_cfg(tmp_path, reward=reward))
     metrics = trainer.step()
@@ -385,3 +386,60 @@ def test_odin_refuses_an_exempt_head_it_does_not_have(tmp_path):
     )
     with pytest.raises(ConfigError, match=r"rm.length_exempt: 'tone' is not one of the heads"):
         train_rm(cfg)
+
+
+def test_a_refresh_fine_tunes_odin_models_as_they_were_trained():
+    from types import SimpleNamespace
+
+    from rlhflab.trainers.rm import trained_odin
+
+    r = SimpleNamespace(length_loss_weight=0.5, orthogonal_weight=2.0, length_exempt=["x"])
+    heads = ["preference", "brevity", "length"]
+    # the model's own record decides, not this run's rm.length_exempt
+    recorded = SimpleNamespace(odin_exempt=["brevity"])
+    assert trained_odin(recorded, heads, r) == (2, 0.5, 2.0, [1])
+    assert trained_odin(SimpleNamespace(), heads, r) == (2, 0.5, 2.0, [])  # from before it
+    assert trained_odin(recorded, ["preference", "brevity"], r) is None  # no length head
+
+
+@pytest.mark.parametrize(
+    "over, stage, match",
+    [
+        (["rm.length_exempt=['brevity']"], "rm", "rm.length_exempt: .* rm.length_head is off"),
+        (
+            [
+                "reward.functions={'m:f': 1}",
+                "monitor.response=raise_kl",
+                "monitor.kl_coef_max=0.01",
+            ],
+            "ppo",
+            r"monitor.kl_coef_max: 0.01 is not above ppo.kl_coef",
+        ),
+    ],
+)
+def test_settings_that_would_do_nothing_are_refused(over, stage, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(overrides=["model.policy=preset:nano", *over], stage=stage)
+
+
+def test_centring_leaves_a_non_finite_score_out_of_its_members_mean(caplog):
+    from types import SimpleNamespace
+
+    from rlhflab.trainers.ppo_guards import center_ensemble
+
+    m0 = _FakeMember("rm0", {"a": [1.0, float("nan"), 3.0]})  # mean of the finite: 2
+    m1 = _FakeMember("rm1", {"a": [4.0, 6.0, 8.0]})  # mean 6
+    ens = EnsembleReward([m0, m1], {"a": 1.0}, "wco", 0.0)
+    ref = SimpleNamespace(prompts=["p"] * 3, responses=["x"] * 3, sequences=None)
+    ref.attention_mask, ref.ended = None, None
+    cast = SimpleNamespace(reward=SimpleNamespace(sources=[(ens, {SCORE: 1.0})]))
+    watch = SimpleNamespace(reference_rollout=lambda rollout, it: ref)
+    ctx = SimpleNamespace(enabled=False)
+    metrics = center_ensemble(cast, watch, ctx, None, 0)
+    torch.testing.assert_close(ens.offsets, torch.tensor([-2.0, 2.0]))
+    assert metrics["objective/ensemble_offset_range"] == pytest.approx(4.0)
+    # a member with no finite score at all: no centring this iteration, and a warning
+    m0.table = {"a": [float("nan")] * 3}
+    center_ensemble(cast, watch, ctx, None, 4)
+    torch.testing.assert_close(ens.offsets, torch.zeros(2))
+    assert "not centred this iteration" in caplog.text and "iteration 5" in caplog.text

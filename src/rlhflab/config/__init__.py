@@ -92,6 +92,11 @@ def validate(cfg: Config, stage: str = "ppo", reward_given: bool = False) -> Con
             "'transformers'"
         )
     _check_lora_targets(mc.lora_targets)
+    if stage == "rm" and cfg.rm.length_exempt is not None and not cfg.rm.length_head:
+        raise ConfigError(
+            "rm.length_exempt: names heads ODIN leaves alone, but rm.length_head is off "
+            "(no ODIN); set rm.length_head=true or leave rm.length_exempt unset"
+        )
     if stage == "rm" and cfg.rm.length_head and "length" in cfg.rm.heads:
         raise ConfigError(
             "rm.heads: 'length' is the head rm.length_head adds (ODIN); name your heads otherwise"
@@ -104,6 +109,12 @@ def validate(cfg: Config, stage: str = "ppo", reward_given: bool = False) -> Con
     _check_compute_dtype(cfg, stage)
     if stage in ("sft", "rm", "dpo"):
         return cfg
+    mon = cfg.monitor
+    if mon.enabled and mon.response == "raise_kl" and mon.kl_coef_max <= cfg.ppo.kl_coef:
+        raise ConfigError(
+            f"monitor.kl_coef_max: {mon.kl_coef_max} is not above ppo.kl_coef "
+            f"({cfg.ppo.kl_coef}), so monitor.response=raise_kl could never raise β"
+        )
     if mc.critic_lora_r and mc.value_model in ("shared", "none"):
         raise ConfigError(
             "model.critic_lora_r: adapts a 'separate' or 'from_reward' critic; with "

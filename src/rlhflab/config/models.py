@@ -244,7 +244,10 @@ class RewardConfig:
         "member sits lowest and 'uwo' counts the offsets as disagreement, which cost the "
         "default demo gold (docs/hacking.md). Cost: the reference's answers (the monitor's "
         "reference sampling, shared when monitor.reference_every samples that iteration) "
-        "scored by every member. 'none': the members as they are (and no extra sampling).",
+        "scored by every member. With ensemble_combine='mean' the combined score is the "
+        "same either way (the offsets average to zero): centring then changes only the "
+        "members' logged scores, their spread and monitor.ensemble_spread. 'none': the "
+        "members as they are (and no extra sampling).",
         choices=("none", "reference"),
     )
     shaping: str = setting(

@@ -10,12 +10,16 @@ shaping itself is :func:`rlhflab.core.guards.par_shape`.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from rlhflab.core import guards as G
 from rlhflab.experience.ensemble import EnsembleReward
 from rlhflab.experience.rewards import RewardBatch
 from rlhflab.experience.rollout import Rollout
+
+log = logging.getLogger(__name__)
 
 
 @torch.no_grad()
@@ -27,13 +31,26 @@ def center_ensemble(cast, watch, ctx, rollout: Rollout, iteration: int) -> dict[
     ensembles = [s for s, _ in cast.reward.sources if isinstance(s, EnsembleReward)]
     if not ensembles:
         return {}
+    ens = ensembles[0]
     ref = watch.reference_rollout(rollout, iteration)
     batch = RewardBatch(ref.prompts, ref.responses, ref.sequences, ref.attention_mask, ref.ended)
-    sums, _ = ensembles[0].member_sums(batch)
-    means = sums.double().mean(1)
-    if ctx.enabled:  # equal batches on every rank: the mean of the ranks' means
-        means = ctx.all_sum(means.to(ctx.device)).cpu() / ctx.world
-    offsets = ensembles[0].set_offsets(means.float())
+    sums, _ = ens.member_sums(batch)  # (k, B)
+    # each member's mean over its finite scores on every rank: one non-finite score must
+    # not make every offset, and so every answer's reward, non-finite
+    finite = torch.isfinite(sums)
+    stats = torch.stack([torch.where(finite, sums.double(), 0.0).sum(1), finite.sum(1).double()])
+    if ctx.enabled:
+        stats = ctx.all_sum(stats.to(ctx.device)).cpu()
+    total, count = stats
+    if (count == 0).any():
+        log.warning(
+            "reward.ensemble_center: a member scored no reference answer with a finite "
+            "number at iteration %d; the members are not centred this iteration",
+            iteration + 1,
+        )
+        offsets = ens.set_offsets(torch.zeros(len(ens.members)))
+    else:
+        offsets = ens.set_offsets((total / count).float())
     return {"objective/ensemble_offset_range": (offsets.max() - offsets.min()).item()}
 
 

@@ -49,7 +49,7 @@ from rlhflab.trainers.common import (
     build_scheduler,
     supervised_step,
 )
-from rlhflab.trainers.rm import builtin_pairs, odin_settings, pair_loss, split_pairs
+from rlhflab.trainers.rm import builtin_pairs, pair_loss, split_pairs, trained_odin
 
 PREFERENCE = "preference"  # the label every labeller gives: P(answer a ≻ answer b)
 
@@ -225,7 +225,7 @@ class RewardRefresh:
         n_fresh = rw.refresh_batch_size - n_replay
         heads = member.head_names
         weights = [0.0 if h == LENGTH_HEAD else float(rm_cfg.heads.get(h, 1.0)) for h in heads]
-        odin = odin_settings(rm_cfg, heads)
+        odin = trained_odin(plain_module(member.model).config, heads, rm_cfg)
         model = member.model
         on_device = (
             model.on_device() if isinstance(model, M.Offloaded) else contextlib.nullcontext(model)

@@ -287,20 +287,36 @@ def train_rm(cfg: Config, resume: bool = False) -> dict:
     return {**members[0], "members": members, "ensemble": [m["output_dir"] for m in members]}
 
 
-def odin_settings(r, heads: list[str]) -> tuple | None:
-    """:func:`pair_loss`'s ``odin`` for a reward model with heads ``heads`` (the length head
-    last, or among them) under the rm settings ``r``: None without a length head. Its exempt
-    heads are rm.length_exempt: None is the built-in task's 'brevity' head where there is
-    one; a named head the model lacks is an error."""
-    if LENGTH_HEAD not in heads:
-        return None
+ODIN_EXEMPT = "odin_exempt"  # the model config's record of the heads ODIN left alone
+
+
+def length_exempt_names(r, heads: list[str]) -> list[str]:
+    """rm.length_exempt resolved for a model with heads ``heads``: None is the built-in
+    task's 'brevity' head where there is one; a named head the model lacks is an error."""
     names = [h for h in ("brevity",) if h in heads] if r.length_exempt is None else r.length_exempt
     for h in names:
         if h not in heads or h == LENGTH_HEAD:
             quality = [x for x in heads if x != LENGTH_HEAD]
             raise ConfigError(f"rm.length_exempt: {h!r} is not one of the heads {quality}")
-    exempt = [heads.index(h) for h in names]
-    return heads.index(LENGTH_HEAD), r.length_loss_weight, r.orthogonal_weight, exempt
+    return list(names)
+
+
+def odin_settings(r, heads: list[str], exempt: list[str]) -> tuple:
+    """:func:`pair_loss`'s ``odin`` for a reward model with heads ``heads`` (the length head
+    among them) and ODIN-exempt heads ``exempt``, with the rm settings ``r``' loss weights."""
+    idx = [heads.index(h) for h in exempt]
+    return heads.index(LENGTH_HEAD), r.length_loss_weight, r.orthogonal_weight, idx
+
+
+def trained_odin(model_config, heads: list[str], r) -> tuple | None:
+    """The ``odin`` a refresh fine-tunes a trained reward model with: as `rlhflab rm` trained
+    it, read from its config (``odin_exempt``, written since rm.length_exempt exists; a
+    model with a length head but without that record was trained with none exempt). None
+    without a length head."""
+    if LENGTH_HEAD not in heads:
+        return None
+    exempt = [h for h in getattr(model_config, ODIN_EXEMPT, None) or [] if h in heads]
+    return odin_settings(r, heads, exempt)
 
 
 def rm_trainer(cfg: Config) -> SupervisedTrainer:
@@ -313,7 +329,8 @@ def rm_trainer(cfg: Config) -> SupervisedTrainer:
     if not heads:
         raise ConfigError("rm.heads: at least one head is needed")
     all_heads = heads + [LENGTH_HEAD] if r.length_head else heads
-    odin = odin_settings(r, all_heads)
+    exempt = length_exempt_names(r, all_heads) if r.length_head else []
+    odin = odin_settings(r, all_heads, exempt) if r.length_head else None
     init = r.init or cfg.model.policy
     tokenizer = load_tokenizer_for(init, cfg.model, "rm.init")  # renders chat rows
     # the data is read before the model is loaded: a bad row is reported in seconds
@@ -327,6 +344,8 @@ def rm_trainer(cfg: Config) -> SupervisedTrainer:
     model = to_trained(model, device, "the reward model")
     model.config.id2label = dict(enumerate(all_heads))
     model.config.label2id = {h: i for i, h in enumerate(all_heads)}
+    if r.length_head:  # saved with the model: a refresh fine-tunes it the same way
+        setattr(model.config, ODIN_EXEMPT, exempt)
     if pairs is None:
         pairs = builtin_pairs(cfg)
     where = source_name(r.data, cfg.data.split) if r.data else "the built-in pairs"
