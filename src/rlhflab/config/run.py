@@ -78,9 +78,10 @@ class MonitorConfig:
         100.0,
         "Ceiling of response 'raise_kl' on β (its own multiplication only: with "
         "ppo.kl_target the adaptive controller goes on moving β): a safety net, since β "
-        "keeps rising while an alert persists. Must be above ppo.kl_coef. Unbounded, β grew to 1.3e5 and the critic's loss to 1e8; at 10 the "
-        "hacking demo's policy settled 0.1 nats from the reference and kept flattering "
-        "more than it (held-out gold 0.21 against SFT's 0.28), at 100 it came back (0.26; "
+        "keeps rising while an alert persists. Must be above ppo.kl_coef. Unbounded, β "
+        "grew to 1.3e5 and the critic's loss to 1e8; at 10 the hacking demo's policy "
+        "settled 0.05-0.2 nats from the reference and kept flattering more than it "
+        "(held-out gold 0.21 against SFT's 0.28), at 100 it came back (0.26; "
         "docs/hacking.md).",
         low=0.0,
     )
