@@ -1,7 +1,8 @@
 """Online RLHF with PPO's update. :meth:`PPOTrainer.step` reads top to bottom: 1 generate
 (1b centre a reward ensemble) → 2 score → 3 missing-EOS penalty (3b PAR shaping) → 4 score
-normalisation → 5–7 the estimator that ppo.advantage_estimator names (:mod:`rlhflab.core.advantages`: gae with a critic, or the
-group baselines grpo / rloo) → 8 PPO epochs → 9 metrics → 10 KL controller → 11 reward-model
+normalisation → 5–7 the estimator that ppo.advantage_estimator names
+(:mod:`rlhflab.core.advantages`: gae with a critic, or the group baselines grpo / rloo) → 8
+PPO epochs → 9 metrics → 10 KL controller → 11 reward-model
 refresh (optional); the run loop (:mod:`~.loop`) adds 12, the checkpoint. The trainer holds
 its parts: :class:`~.ppo_epochs.PPOUpdate` (step 8; optimisers in
 :class:`~.update_guard.GuardedUpdate`), :class:`~.ppo_watch.PPOWatch`,
