@@ -90,6 +90,29 @@ def test_shared_backbone_logits_equal_plain_model_and_values_start_at_zero():
     assert torch.equal(values, torch.zeros_like(values))
 
 
+@pytest.mark.parametrize("runtime", ["transformers", "native"])
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_the_vocabulary_head_gets_a_contiguous_input(runtime, use_cache):
+    """logits_to_keep slices the hidden states; a strided input makes F.linear a batched
+    product that re-reads the head's weight per sequence (models.forward)."""
+    path = presets.preset_path("nano")
+    tok = M.load_tokenizer(path)
+    lm = M.load_causal_lm(path, tok, runtime=runtime)
+    seen = []
+    head = lm.get_output_embeddings()
+    head.register_forward_pre_hook(lambda mod, args: seen.append(args[0]))
+    ids, mask = batch_ids(tok, ["sort: cat dog\nanswer:", "add: 1 2\nanswer: 3"])
+    with torch.no_grad():
+        kept = M.causal_forward(lm, ids, mask, keep_last=3, use_cache=use_cache).logits
+        full = M.causal_forward(lm, ids, mask).logits
+    assert seen[0].shape[:2] == (2, 3) and seen[0].is_contiguous()
+    # the strided product the head ran before: the same logits up to float rounding
+    strided = torch.nn.functional.linear(seen[1][:, -3:], head.weight)
+    assert not seen[1][:, -3:].is_contiguous()
+    torch.testing.assert_close(kept, strided, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(kept, full[:, -3:], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("precision,tol", [("bf16", 0.05), ("int8", 0.05)])
 def test_low_precision_reference_logprobs_stay_close_to_fp32(precision, tol):
     """Stated tolerance: max |Δ log-prob| < 0.05 nats per token on the tiny preset."""

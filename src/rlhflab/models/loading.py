@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from rlhflab.models.forward import contiguous_head_input
 from rlhflab.models.prepare import (
     ModelLoadError,
     check_weight_files,
@@ -168,6 +169,7 @@ def load_causal_lm(
 
     model, _ = hf_load(AutoModelForCausalLM, path, trust_remote_code, {}, dtype=dtype)
     _fit_vocab(model, tokenizer)
+    contiguous_head_input(model)  # after _fit_vocab, which may replace the head
     return disable_dropout(model)
 
 
