@@ -285,6 +285,7 @@ def test_nan_reward_is_skipped_then_the_run_halts_with_a_checkpoint(tmp_path):
         ("ppo.lr=fast", "ppo.lr"),
         ("ppo.nope=1", "ppo.nope"),
         ("rollout.top_p=2", "rollout.top_p"),
+        ("rollout.sampler=greedy", "rollout.sampler"),
         ("ppo.minibatches=3", "ppo.minibatches"),
         ("ppo.kl_estimator=k2", "ppo.kl_estimator"),
     ],
@@ -497,3 +498,17 @@ def test_every_short_source_name_the_settings_cite_is_spelled_out(capsys):
     assert main(["config"]) == 0
     printed = capsys.readouterr().out
     assert all(f"  {key}: " in printed for key in SOURCES)
+
+
+def test_rollout_sampler_reaches_every_sampling_pass(tmp_path, monkeypatch):
+    """rollout.sampler=gumbel: the policy's answers and the reference's (monitor, PAR) are
+    drawn with it."""
+    import rlhflab.experience.sampling as sampling
+
+    seen = []
+    real = sampling.draw_tokens
+    monkeypatch.setattr(sampling, "draw_tokens", lambda lg, g, s: seen.append(s) or real(lg, g, s))
+    cfg = make_cfg(tmp_path, "ppo.iterations=1", "rollout.sampler=gumbel", "reward.shaping=par")
+    PPOTrainer(cfg).fit()
+    # 8 steps of the policy's answers and 8 of the reference's
+    assert len(seen) == 16 and set(seen) == {"gumbel"}

@@ -5,7 +5,7 @@ import torch
 
 from rlhflab import models as M
 from rlhflab.experience.rollout import left_pad, policy_outputs
-from rlhflab.experience.sampling import SamplingScores, sample
+from rlhflab.experience.sampling import SamplingScores, draw_tokens, sample
 
 
 @pytest.mark.parametrize("runtime", ["transformers", "native"])
@@ -81,3 +81,47 @@ def test_an_eos_that_is_also_the_pad_token_stays_in_the_mask():
         assert bool(ended[i]) == (int(resp[i, n - 1]) == eos and n <= 6)
         hits = (first[i, :n] == eos).nonzero()
         assert (int(hits[0]) + 1 if len(hits) else 6) == n  # up to and including the 1st EOS
+
+
+@pytest.mark.parametrize("sampler", ["multinomial", "gumbel"])
+def test_each_sampler_draws_from_the_softmax(sampler):
+    """rollout.sampler: both draws follow softmax(logits); a filtered (-inf) token never
+    comes up. 60,000 draws per token probability: each count within 5 standard errors."""
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, float("-inf"), 0.5])
+    n = 60_000
+    gen = torch.Generator().manual_seed(0)
+    drawn = draw_tokens(logits.expand(n, -1).contiguous(), gen, sampler)
+    assert drawn.shape == (n,) and drawn.dtype == torch.int64
+    counts = torch.bincount(drawn, minlength=6).double()
+    p = torch.softmax(logits.double(), -1)
+    assert counts[4] == 0
+    sigma = (n * p * (1 - p)).sqrt()
+    assert ((counts - n * p).abs() <= 5 * sigma + 1e-9).all(), (counts / n, p)
+
+
+def test_the_gumbel_sampler_is_its_own_random_stream():
+    logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(3))
+    a = draw_tokens(logits, torch.Generator().manual_seed(1), "gumbel")
+    b = draw_tokens(logits, torch.Generator().manual_seed(1), "multinomial")
+    assert torch.equal(a, draw_tokens(logits, torch.Generator().manual_seed(1), "gumbel"))
+    assert not torch.equal(a, b)
+    with pytest.raises(ValueError, match="sampler must be one of"):
+        draw_tokens(logits, None, "greedy")
+
+
+def test_sample_draws_with_the_sampler_it_is_given(monkeypatch):
+    import rlhflab.experience.sampling as sampling
+
+    seen = []
+    real = sampling.draw_tokens
+    monkeypatch.setattr(sampling, "draw_tokens", lambda lg, g, s: seen.append(s) or real(lg, g, s))
+    path = M.resolve_path("preset:nano")
+    tok = M.load_tokenizer(path)
+    lm = M.load_causal_lm(path, tok)
+    ids, mask = left_pad([tok("2 + 2", add_special_tokens=False)["input_ids"]], tok.pad_token_id)
+    out = {}
+    for name in ("multinomial", "gumbel"):
+        gen = torch.Generator().manual_seed(1)
+        out[name] = sample(lm, ids, mask, 6, None, tok.pad_token_id, generator=gen, sampler=name)[0]
+    assert seen == ["multinomial"] * 6 + ["gumbel"] * 6
+    assert out["gumbel"].shape == (1, 6) and int(out["gumbel"].max()) < lm.config.vocab_size

@@ -90,6 +90,7 @@ def rollouts(
             gen,
             device,
             ignore_eos=r.ignore_eos,
+            sampler=r.sampler,
         )
 
 

@@ -75,11 +75,13 @@ def generate_rollout(
     scores: SamplingScores | None = None,
     autocast=contextlib.nullcontext,
     prompt_caches: PromptCaches | None = None,
+    sampler: str = "multinomial",
 ) -> Rollout:
     """Sample one answer per prompt; with ``scores``, the rollout also carries the sampling
     pass's old log-probs and entropy (and values), and scoring skips the policy forward.
     ``autocast``: the context sampling runs in (``ModelCast.autocast`` for the policy).
-    ``prompt_caches`` keeps the prompts' KV cache for the monitor's opener probe."""
+    ``prompt_caches`` keeps the prompts' KV cache for the monitor's opener probe;
+    ``sampler``: how each token is drawn (``rollout.sampler``; sampling.draw_tokens)."""
     encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
     prompt_ids, prompt_mask = left_pad(encoded, tokenizer.pad_token_id)
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
@@ -98,6 +100,7 @@ def generate_rollout(
             all_done,
             scores,
             prompt_caches,
+            sampler,
         )
     texts = tokenizer.batch_decode(resp, skip_special_tokens=True)
     rollout = Rollout(prompt_ids, prompt_mask, resp, resp_mask, ended, list(prompts), texts)

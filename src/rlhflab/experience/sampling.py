@@ -181,6 +181,31 @@ def cache_kwarg(model) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+SAMPLERS = ("multinomial", "gumbel")
+
+
+def draw_tokens(logits: torch.Tensor, generator, sampler: str = "multinomial") -> torch.Tensor:
+    """One token per row drawn from softmax(``logits``): (B, V) float logits, ``-inf`` for
+    tokens filtered out → (B,) int64 ids.
+
+    'multinomial': ``torch.multinomial`` on the softmax. 'gumbel': ``argmax(logits + G)``
+    with ``G = -log(-log U)``, U uniform from ``torch.rand`` — the Gumbel-max trick, an
+    exact draw from the same softmax (Gumbel 1954; Maddison et al. 2014, arXiv:1411.0030).
+    torch.multinomial draws one exponential per token for the equivalent race, with a
+    scalar loop on the CPU: 8.6 ms per (8, 49,152) draw against 1.5 ms for torch.rand
+    (2-core Intel Xeon, 2026-12-06). U is kept above float32's smallest normal, so G lies
+    in [-4.5, 16.6]: float32's uniforms cut the tails off either way. Different random
+    streams: the same generator state gives different tokens under the two samplers."""
+    if sampler == "gumbel":
+        u = torch.rand(logits.shape, generator=generator, dtype=logits.dtype, device=logits.device)
+        noise = u.clamp_(min=torch.finfo(u.dtype).tiny).log_().neg_().log_().neg_()
+        return torch.argmax(logits + noise, dim=-1)
+    if sampler != "multinomial":
+        raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+
 @torch.no_grad()
 # Just over 80 lines: the KV-cached sampling loop is kept in one piece, since it is the
 # hot path of every iteration and its per-step state (cache, finished rows, scores) is local.
@@ -198,6 +223,7 @@ def sample(
     all_done=None,
     scores: SamplingScores | None = None,
     prompts: PromptCaches | None = None,
+    sampler: str = "multinomial",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample answers with a KV cache. Returns (response_ids, response_mask, ended).
 
@@ -207,7 +233,7 @@ def sample(
     ``scores`` records each step's log-prob and entropy (and value) of the drawn token,
     computed from the untruncated distribution at ``temperature``, as training computes them.
     ``prompts`` keeps the prompts' part of the KV cache and the prefill's logits for the
-    monitor's opener probe, once sampling is done.
+    monitor's opener probe, once sampling is done. ``sampler``: :func:`draw_tokens`.
     """
     global _warned_truncated
     if (top_k or top_p < 1.0) and not _warned_truncated:
@@ -237,8 +263,7 @@ def sample(
     tokens = []
     for step in range(max_new_tokens):
         logits = out.logits[:, -1, :].float() / temperature
-        probs = torch.softmax(filter_logits(logits, top_k, top_p), dim=-1)
-        nxt = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        nxt = draw_tokens(filter_logits(logits, top_k, top_p), generator, sampler)
         nxt = torch.where(finished, torch.full_like(nxt, pad_id), nxt)
         if scores is not None:
             scores.record(logits, nxt)

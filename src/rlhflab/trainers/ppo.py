@@ -247,6 +247,7 @@ class PPOTrainer:
             scores=self._sampling_scores(reuse),
             autocast=self.cast.autocast,  # model.compute_dtype, as scoring and training
             prompt_caches=prompt_caches,
+            sampler=r.sampler,
         )
 
     def _score(self, rollout: Rollout, reuse: bool, prompt_caches=None) -> None:

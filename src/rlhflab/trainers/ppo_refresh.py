@@ -173,6 +173,7 @@ class RewardRefresh:
             cast.device,
             ignore_eos=r.ignore_eos,
             autocast=cast.autocast,
+            sampler=r.sampler,
         )
 
     def _label(self, prompts, a: Rollout, b: Rollout, keep, iteration) -> list[dict]:

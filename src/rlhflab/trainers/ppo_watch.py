@@ -171,6 +171,7 @@ class PPOWatch:
             all_done=self.all_done,
             ignore_eos=r.ignore_eos,
             autocast=self.cast.reference_autocast,
+            sampler=r.sampler,
         )
         self._reference = (iteration, ref)
         return ref
