@@ -101,9 +101,13 @@ def test_unsupported_parameters_are_refused():
         opt.load_state_dict({"state": {}, "param_groups": [{"params": [0, 1]}]})
 
 
-def test_update_in_backward_matches_step_after_backward_and_holds_one_gradient():
-    """Stepping each tensor from its post-accumulate hook gives bit-identical weights and
-    moments to backward-then-step(), and no two gradients are alive at once."""
+@pytest.mark.parametrize("defer_below", [0, 10, 1 << 16])
+def test_update_in_backward_matches_step_after_backward(monkeypatch, defer_below):
+    """Stepping each tensor from its post-accumulate hook — or, under DEFER_BELOW elements,
+    all of them together in flush() — gives bit-identical weights and moments to
+    backward-then-step(). 0: every tensor in its hook (no two gradients alive at once); 10:
+    the (5, 3) tensor in its hook, the (7,) and (2, 2) ones deferred; 65,536: all deferred."""
+    monkeypatch.setattr(UpdateInBackward, "DEFER_BELOW", defer_below)
     a, b = _params(), _params()
     opt_a, opt_b = FusedAdamW(_groups(a), eps=1e-5), FusedAdamW(_groups(b), eps=1e-5)
     alive = []
@@ -119,17 +123,27 @@ def test_update_in_backward_matches_step_after_backward_and_holds_one_gradient()
             opt_a.step()
             opt_a.zero_grad()
             sum(((p * x).sum() ** 2 for p, x in zip(b, xs))).backward()
+            # updated in the hook: gradient gone; deferred: waiting for flush()
+            assert [p.grad is None for p in b] == [p.numel() >= defer_below for p in b]
+            upd.flush()
             assert all(p.grad is None for p in b)
             assert not bool(upd.found_inf)
-    assert alive and max(alive) == 1
+            assert len(upd.grad_norms()) == 1 and upd.grad_norms()[0] > 0
+            upd.reset()
+    if defer_below == 0:
+        assert alive and max(alive) == 1
     for p, q in zip(a, b):
         assert torch.equal(p, q)
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(opt_a.state[p][key], opt_b.state[q][key])
 
 
+@pytest.mark.parametrize("defer_below", [0, 1 << 16])
 @pytest.mark.parametrize("bad", [[math.nan], [math.inf], [-math.inf], [math.inf, -math.inf]])
-def test_update_in_backward_leaves_a_tensor_with_a_non_finite_gradient_alone(bad):
+def test_update_in_backward_leaves_a_tensor_with_a_non_finite_gradient_alone(
+    monkeypatch, bad, defer_below
+):
+    monkeypatch.setattr(UpdateInBackward, "DEFER_BELOW", defer_below)
     ps = _params()
     opt = FusedAdamW(_groups(ps))
     before = [p.detach().clone() for p in ps]
@@ -137,10 +151,12 @@ def test_update_in_backward_leaves_a_tensor_with_a_non_finite_gradient_alone(bad
     w[: len(bad)] = torch.tensor(bad)
     with UpdateInBackward([opt]) as upd:
         ((ps[0] * w.view_as(ps[0])).sum() + ps[1].sum() + ps[2].sum()).backward()
+        upd.flush()
     assert bool(upd.found_inf)
     assert torch.equal(ps[0], before[0])
     assert opt.state[ps[0]]["step"].item() == 0 and not opt.state[ps[0]]["exp_avg"].any()
     assert not torch.equal(ps[1], before[1]) and opt.state[ps[1]]["step"].item() == 1
+    assert all(p.grad is None for p in ps)
     # leaving the context removes the hooks: a plain backward keeps its gradient
     ps[1].sum().backward()
     assert ps[1].grad is not None

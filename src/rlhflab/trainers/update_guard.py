@@ -156,6 +156,7 @@ class GuardedUpdate:
     def _finish_update_in_backward(self, cause: str | None) -> bool:
         """ppo.step_in_backward: every tensor with a finite gradient has been updated;
         count the update as skipped if a loss or a gradient was not finite."""
+        self.in_backward.flush()  # the small parameters, deferred to one call
         found_inf = self.in_backward.found_inf
         self.grad_norms = dict(zip(self._norm_names(), self.in_backward.grad_norms()))
         self.in_backward.reset()
