@@ -162,6 +162,40 @@ def test_update_in_backward_leaves_a_tensor_with_a_non_finite_gradient_alone(
     assert ps[1].grad is not None
 
 
+def test_deferred_updates_refuse_a_second_backward_and_drop_unflushed_gradients():
+    ps = _params()
+    opt = FusedAdamW(_groups(ps))
+    before = [p.detach().clone() for p in ps]
+    with UpdateInBackward([opt]) as upd:
+        sum(p.sum() for p in ps).backward()
+        with pytest.raises(RuntimeError, match="two backward passes"):
+            sum(p.sum() for p in ps).backward()
+        upd.reset()  # an interrupted update: nothing stepped, no gradient left behind
+        assert all(p.grad is None for p in ps)
+        assert all(torch.equal(p, b) for p, b in zip(ps, before))
+        sum(p.sum() for p in ps).backward()
+    assert all(p.grad is None for p in ps)  # leaving the context drops them too
+    assert all(torch.equal(p, b) for p, b in zip(ps, before))
+
+
+def test_step_params_matches_step_across_groups_and_dtypes():
+    def make():
+        ps = [torch.nn.Parameter(torch.randn(4, 3, dtype=dt)) for dt in (torch.float32,) * 2]
+        ps.append(torch.nn.Parameter(torch.randn(5, dtype=torch.float64)))
+        for p in ps:
+            p.grad = torch.full_like(p, 0.5)
+        return ps, FusedAdamW([{"params": ps[:1]}, {"params": ps[1:], "lr": 0.1}])
+
+    torch.manual_seed(0)
+    a, opt_a = make()
+    torch.manual_seed(0)
+    b, opt_b = make()
+    opt_a.step()
+    opt_b.step_params(b)
+    for p, q in zip(a, b):
+        assert torch.equal(p, q) and p.dtype == q.dtype
+
+
 def test_update_in_backward_needs_fused_adamw():
     ps = _params()
     with pytest.raises(TypeError, match="FusedAdamW"):

@@ -129,6 +129,7 @@ def sampling(cfg: Config, batch_size: int) -> dict:
         "top_k": r.top_k,
         "top_p": r.top_p,
         "ignore_eos": r.ignore_eos,
+        "sampler": r.sampler,
         "seed": cfg.seed,
         "batch_size": batch_size,
     }

@@ -121,13 +121,13 @@ class FusedAdamW:
         gradient finite: one kernel call per group instead of one per tensor, the same
         arithmetic (the fused kernel treats each tensor on its own)."""
         groups = self._group_of()
-        by_group: dict[int, tuple[dict, list]] = {}
+        buckets: dict[tuple, tuple[dict, list]] = {}  # as step(): per group, device, dtype
         for p in params:
             group = groups.get(id(p))
             if group is None:
                 raise ValueError("FusedAdamW.step_params: a tensor is not one of its parameters")
-            by_group.setdefault(id(group), (group, []))[1].append(p)
-        for group, ps in by_group.values():
+            buckets.setdefault((id(group), p.device, p.dtype), (group, []))[1].append(p)
+        for group, ps in buckets.values():
             states = [self._state_of(p) for p in ps]
             steps = [st["step"] for st in states]
             torch._foreach_add_(steps, 1)
@@ -231,7 +231,8 @@ def clip_grad_norms(models: dict[str, list[torch.Tensor]], max_norm: float | Non
 class UpdateInBackward:
     """While active, each parameter of the given :class:`FusedAdamW` optimisers is updated
     as soon as its gradient is complete in the backward pass, and the gradient is dropped
-    at once: the trained models' gradients are never all alive together (the pattern of
+    at once: the trained models' gradients (of tensors of :attr:`DEFER_BELOW` elements or
+    more) are never all alive together (the pattern of
     PyTorch's tutorial "How to save memory by fusing the optimizer step into the backward
     pass"). Same updates bit for bit as backward-then-``step()``, provided each parameter
     gets its whole gradient from one backward (no accumulation over micro-batches) and
@@ -246,8 +247,13 @@ class UpdateInBackward:
     call per group: each hook's norm, finite check and kernel call cost ~50 µs of work
     that is pure overhead on a small tensor (0.2M model of benchmarks/vs_trl.py: 0.211 →
     0.200 s per iteration with all of it in the hooks or none, 2026-12-06), and their
-    gradients are too small to matter for the peak. Call :meth:`flush` after the backward
-    passes of an update, before reading :attr:`found_inf` or the norms. :meth:`grad_norms`
+    gradients are too small to matter for the peak (a LoRA model's adapters are all
+    small: SmolLM2-135M's r=8 adapters hold ~9 MB of gradients until the flush). Call
+    :meth:`flush` after the backward passes of an update, before reading
+    :attr:`found_inf` or the norms; a parameter deferred twice before it (two backward
+    passes into one gradient, which the hooks would have stepped twice) is refused, and
+    :meth:`reset` or leaving the context drops deferred gradients that were never flushed
+    (an interrupted update), as the trainer drops an interrupted micro-batch's. :meth:`grad_norms`
     gives each optimiser's gradient norm over the same span (nothing is clipped: a clip
     needs all of a model's gradients before it updates any of them).
     """
@@ -258,6 +264,7 @@ class UpdateInBackward:
         self.found_inf: torch.Tensor | None = None
         self.norms: dict[int, torch.Tensor] = {}  # id(parameter) → its gradient's norm
         self.deferred: list[tuple[FusedAdamW, torch.Tensor]] = []  # small ones, for flush()
+        self.deferred_ids: set[int] = set()
 
     def __enter__(self) -> UpdateInBackward:
         for opt in self.optimizers:
@@ -275,13 +282,19 @@ class UpdateInBackward:
         for h in self.handles:
             h.remove()
         self.handles = []
+        self._drop_deferred()
 
     DEFER_BELOW = 1 << 16  # elements: 256 KiB of fp32 gradient
 
     def reset(self) -> None:
         self.found_inf = None
         self.norms = {}
-        self.deferred = []
+        self._drop_deferred()
+
+    def _drop_deferred(self) -> None:
+        for _, p in getattr(self, "deferred", []):
+            p.grad = None
+        self.deferred, self.deferred_ids = [], set()
 
     def flush(self) -> None:
         """Update the deferred small parameters: one kernel call per optimiser group when
@@ -289,7 +302,7 @@ class UpdateInBackward:
         own with its own finite check, as its hook would have."""
         if not self.deferred:
             return
-        deferred, self.deferred = self.deferred, []
+        deferred, self.deferred, self.deferred_ids = self.deferred, [], set()
         norms = [torch.linalg.vector_norm(p.grad) for _, p in deferred]
         bad = ~torch.isfinite(torch.stack(norms))
         if bool(bad.any()):
@@ -327,7 +340,13 @@ class UpdateInBackward:
     def _hook(self, opt: FusedAdamW):
         def update(p: torch.Tensor) -> None:
             if p.numel() < self.DEFER_BELOW:
+                if id(p) in self.deferred_ids:
+                    raise RuntimeError(
+                        "UpdateInBackward: a parameter's gradient was accumulated over two "
+                        "backward passes before flush(); step_in_backward needs one"
+                    )
                 self.deferred.append((opt, p))
+                self.deferred_ids.add(id(p))
                 return
             # one read of the gradient: its norm is non-finite when any element is (or, for
             # finite elements, when it overflows, itself a gradient to hold back) and is

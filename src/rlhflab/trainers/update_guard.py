@@ -71,7 +71,8 @@ class GuardedUpdate:
 
     def updating_in_backward(self):
         """The context of one rollout's epochs: under ppo.step_in_backward, AdamW runs
-        inside each backward, tensor by tensor; else nothing."""
+        inside each backward, tensor by tensor (small tensors together right after it:
+        UpdateInBackward.flush); else nothing."""
         self.in_backward = None
         if self.cfg.ppo.step_in_backward:
             self.in_backward = UpdateInBackward((self.opt, self.critic_opt))
