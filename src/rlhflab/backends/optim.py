@@ -245,8 +245,9 @@ class UpdateInBackward:
     Parameters under :attr:`DEFER_BELOW` elements (norms, biases; every tensor of a very
     small model) are not updated in their hook but by :meth:`flush`, together, one kernel
     call per group: each hook's norm, finite check and kernel call cost ~50 µs of work
-    that is pure overhead on a small tensor (0.2M model of benchmarks/vs_trl.py: 0.211 →
-    0.200 s per iteration with all of it in the hooks or none, 2026-12-06), and their
+    that is pure overhead on a small tensor (0.2M model of benchmarks/vs_trl.py, whose
+    tensors are all small: 0.256 → 0.226 s per iteration, median of an in-process A/B,
+    2026-12-06; docs/benchmarks.md), and their
     gradients are too small to matter for the peak (a LoRA model's adapters are all
     small: SmolLM2-135M's r=8 adapters hold ~9 MB of gradients until the flush). Call
     :meth:`flush` after the backward passes of an update, before reading
@@ -257,6 +258,8 @@ class UpdateInBackward:
     gives each optimiser's gradient norm over the same span (nothing is clipped: a clip
     needs all of a model's gradients before it updates any of them).
     """
+
+    DEFER_BELOW = 1 << 16  # elements: 256 KiB of fp32 gradient
 
     def __init__(self, optimizers: Iterable[FusedAdamW]):
         self.optimizers = [o for o in optimizers if o is not None]
@@ -284,15 +287,13 @@ class UpdateInBackward:
         self.handles = []
         self._drop_deferred()
 
-    DEFER_BELOW = 1 << 16  # elements: 256 KiB of fp32 gradient
-
     def reset(self) -> None:
         self.found_inf = None
         self.norms = {}
         self._drop_deferred()
 
     def _drop_deferred(self) -> None:
-        for _, p in getattr(self, "deferred", []):
+        for _, p in self.deferred:
             p.grad = None
         self.deferred, self.deferred_ids = [], set()
 
