@@ -134,28 +134,38 @@ def test_a_sweep_killed_mid_trial_resumes_to_its_total(tmp_path):
     out = tmp_path / "sw"
     cmd = [sys.executable, "-m", "rlhflab", "--allocator", "system", "sweep", "--config"]
     cmd += [str(config), "--trials", "3", "--out", str(out)]
-    proc = subprocess.Popen(
-        [*cmd, "ppo.iterations=20"],
-        cwd=tmp_path,
-        start_new_session=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    log = tmp_path / "sweep.log"  # read when the sweep never gets as far as it should
+    with log.open("w") as sink:
+        proc = subprocess.Popen(
+            [*cmd, "ppo.iterations=20"],
+            cwd=tmp_path,
+            start_new_session=True,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
     storage = f"sqlite:///{out / 'study.db'}"
     deadline = time.time() + 240
     complete = optuna.trial.TrialState.COMPLETE
-    while time.time() < deadline:  # kill -9 once trial 0 is done and trial 1 is running
+    states, error = [], None
+    while time.time() < deadline and proc.poll() is None:
+        # kill -9 once trial 0 is done and trial 1 is running
         time.sleep(0.5)
         try:
             study = optuna.load_study(study_name="sw", storage=storage)
             states = [t.state for t in study.get_trials(deepcopy=False)]
-        except Exception:  # the database is not created yet
+        except Exception as exc:  # the database or the study is not created yet
+            error = exc
             continue
         if states[:1] == [complete] and len(states) == 2:
             break
-    os.killpg(proc.pid, signal.SIGKILL)
+    exited = proc.poll()
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # the sweep had already ended, and its group with it
+        pass
     proc.wait()
-    assert states[:1] == [complete], states
+    why = f"states {states}, exit {exited}, last error {error!r}, log:\n{log.read_text()[-2000:]}"
+    assert states[:1] == [complete], why
     done = subprocess.run([*cmd, "ppo.iterations=3"], cwd=tmp_path, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = trials(out)
