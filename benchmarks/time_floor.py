@@ -1,14 +1,25 @@
 """How fast could one PPO iteration of ``vs_trl.py`` be on this CPU at all? (issue 7)
 
-A lower bound, measured: the time of the iteration's matrix products and attention alone,
-each timed in isolation at its exact shape, one thread, fp32, and each taken at its best —
-the faster of torch's MKL and numpy's OpenBLAS and the faster of every operand layout
-(either operand stored as is or transposed), attention the faster of SDPA's flash and math
-kernels with no padding mask. Everything else an iteration does (sampling's softmax and
-draws and the attention of its decode steps, element-wise work, norms, the losses, GAE,
-the optimiser, Python) is left out, so no implementation of the same work with these
-libraries can run an iteration faster than the printed floor; a time-ratio target below
-``floor / TRL's seconds`` cannot be met on this machine at equal settings.
+A lower bound, measured: the time of the iteration's matrix products, its attention and its
+optimiser updates alone, each timed at its exact shape, fp32, and each taken at its best —
+the faster of torch's MKL and numpy's OpenBLAS, of one thread and the run's threads, and of
+every operand layout (either operand stored as is or transposed), attention the faster of
+SDPA's flash and math kernels with no padding mask, the update the faster of torch's fused
+and foreach AdamW. Everything else an iteration does (sampling's softmax and draws and the
+attention of its decode steps, element-wise work, norms, the losses, GAE, Python) is left
+out, so no implementation of the same work with these libraries can run an iteration
+faster than the printed floor; a time-ratio target below ``floor / TRL's seconds`` cannot
+be met on this machine at equal settings.
+
+Two of the terms are bound by memory, not arithmetic, and are timed as the iteration must
+run them (issue 27): a sampling step multiplies its few rows by *every* weight of the
+model once, so its products are timed as one pass over a whole model's worth of distinct
+weights (``decode_streamed``; a model larger than the cache streams them from memory, as
+a real decode step does), where timing each product alone, repeated, keeps its one weight
+in cache (``decode_in_cache``, what the floor counted before 2026-12-06: still printed, and
+the floor without both terms is ``products_and_attention``); and AdamW reads and writes
+the parameters, gradients and both moments of every trained parameter once per update
+(``optimizer``: the policy's and the critic's parameters, one update of each per epoch).
 
 The work is ``vs_trl.py``'s (its SIZES, 16 rollouts, 4 epochs of one minibatch; any other
 shapes as a ``Work``, e.g. ``vs_trl_real.py``'s SmolLM2-135M from its config.json) with the
@@ -64,6 +75,9 @@ class Work:
     rollouts: int
     epochs: int
     answer: int
+    # the vocabulary head is the embedding matrix (vs_trl.py's models, SmolLM2): one
+    # parameter matrix fewer for the optimiser
+    tied: bool = True
 
     @classmethod
     def of_size(cls, size: str) -> Work:
@@ -88,6 +102,8 @@ class Work:
             rollouts,
             epochs,
             answer,
+            # transformers' default for a Llama config.json without the key is untied
+            bool(config.get("tie_word_embeddings", False)),
         )
 
 
@@ -196,18 +212,106 @@ def best_attention_seconds(work: Work, rows: int, grad: bool, threads: int = 1) 
     return best
 
 
+def trained_parameters(work: Work) -> int:
+    """Parameters the optimiser updates in one step of the policy and one of the critic:
+    the policy (its head tied to the embedding or not) and a critic of the same backbone
+    with a one-column value head, as ``vs_trl.py`` trains them (full fine-tuning)."""
+    w = work
+    q_width, kv_width = w.heads * w.head_dim, w.kv_heads * w.head_dim
+    layer = (
+        w.hidden * q_width  # queries
+        + 2 * w.hidden * kv_width  # keys, values
+        + q_width * w.hidden  # output projection
+        + 3 * w.hidden * w.inter  # gate, up, down
+        + 2 * w.hidden  # the two RMSNorm weights
+    )
+    backbone = w.vocab * w.hidden + w.layers * layer + w.hidden  # embedding, layers, final norm
+    policy = backbone + (0 if w.tied else w.vocab * w.hidden)
+    critic = backbone + w.hidden  # the value head's weight
+    return policy + critic
+
+
+def streamed_step_seconds(work: Work, threads: int = 1, seconds: float = 0.5) -> tuple:
+    """(seconds, GB/s) of one sampling step's products run as a decode step must run them:
+    ``rollouts`` rows multiplied by every weight of one forward in turn, each weight its own
+    tensor, so that a model larger than the cache streams its weights from memory as a real
+    decode step does. Best over both libraries, both weight layouts and one thread or
+    ``threads``; leaves ``threads`` set. The GB/s is the weights' bytes over the time."""
+    shapes = list(forward_products(work, 1, 1, True).elements())
+    weight_bytes = 4 * sum(k * n for _, k, n in shapes)
+    best = float("inf")
+    for transposed in (False, True):
+        # constant weights: the timing of a product does not depend on its values, and
+        # filling is far quicker than drawing random numbers for a whole model
+        weights = [
+            torch.full((n, k), 0.01).t() if transposed else torch.full((k, n), 0.01)
+            for _, k, n in shapes
+        ]
+        inputs = {(m, k): torch.randn(m, k) for m, k, _ in shapes}
+        pairs = [(inputs[(m, k)], w) for (m, k, _), w in zip(shapes, weights, strict=True)]
+        numpy_pairs = [(x.numpy(), w.numpy()) for x, w in pairs]
+        for t in sorted({1, threads}):
+            set_threads(t)
+
+            def with_torch(pairs=pairs):
+                for x, w in pairs:
+                    torch.mm(x, w)
+
+            def with_numpy(pairs=numpy_pairs):
+                for x, w in pairs:
+                    np.matmul(x, w)
+
+            for call in (with_torch, with_numpy):
+                # rate() returns calls × flops / s / 1e9: with flops = 1e9, calls per second
+                best = min(best, 1 / rate(call, 1e9, seconds=seconds))
+        del weights, pairs, numpy_pairs
+    set_threads(threads)
+    return best, weight_bytes / best / 1e9
+
+
+def adamw_seconds_per_parameter(parameters: int, threads: int = 1) -> float:
+    """Seconds per parameter of one AdamW update (fp32 parameters, gradients and both
+    moments, no clipping), the faster of torch's fused and foreach implementations, one
+    thread or ``threads``, timed over up to 2**25 parameters in tensors of up to 2**22
+    (large enough to stream from memory as a real model's update does); leaves ``threads``
+    set."""
+    n = min(parameters, 1 << 25)
+    chunk = 1 << 22
+    sizes = [chunk] * (n // chunk) + ([n % chunk] if n % chunk else [])
+    best = float("inf")
+    for t in sorted({1, threads}):
+        set_threads(t)
+        for variant in ("fused", "foreach"):
+            params = [torch.nn.Parameter(torch.zeros(size)) for size in sizes]
+            for p in params:
+                p.grad = torch.full_like(p, 1e-3)
+            opt = torch.optim.AdamW(params, lr=1e-6, **{variant: True})
+            best = min(best, 1 / rate(opt.step, 1e9, seconds=0.5))
+            del opt, params
+    set_threads(threads)
+    return best / n
+
+
 def floor_seconds(
     work: Work, prompt_tokens: int, table: list[str] | None = None, threads: int = 1
 ) -> dict:
     """Measure the floor of one iteration of ``work`` on up to ``threads`` threads (each
-    product and attention call at the faster of one thread and ``threads``): seconds
-    of sampling's one-token-per-answer products, of the larger products, of attention, and
-    their ``total``. Appends one markdown row per product shape to ``table`` where given."""
+    term at the faster of one thread and ``threads``). Seconds of: ``sampling``, the
+    products of ``rollouts`` rows or fewer each timed alone (in cache); ``products``, the
+    larger ones; ``attention``; ``products_and_attention``, their sum (the floor before
+    2026-12-06); ``decode_in_cache`` (part of ``sampling``), the decode steps' products
+    timed alone, and ``decode_streamed``, the same products timed as whole passes over
+    distinct weights (``decode_gbps``: the weights' bytes a second); ``optimizer``, one
+    AdamW update per epoch of the policy and of the critic (``trained_parameters``); and
+    ``total``: ``products_and_attention`` with the decode steps as streamed, plus the
+    optimiser. Appends one markdown row per product shape to ``table`` where given."""
     set_threads(threads)
     out = {"sampling": 0.0, "products": 0.0}
     products = iteration_products(work, prompt_tokens)
+    per_call = {}
     for (m, k, n), count in sorted(products.items(), key=lambda x: -x[0][0] * x[1]):
-        seconds = best_product_seconds(m, k, n, threads) * count
+        per_call[(m, k, n)] = best_product_seconds(m, k, n, threads)
+        seconds = per_call[(m, k, n)] * count
         out["sampling" if m <= work.rollouts else "products"] += seconds
         if table is not None:
             table.append(
@@ -222,8 +326,40 @@ def floor_seconds(
     out["attention"] = work.layers * (
         2 * out["attention_forward"] + work.epochs * 2 * out["attention_backward"]
     )
-    out["total"] = out["sampling"] + out["products"] + out["attention"]
+    out["products_and_attention"] = out["sampling"] + out["products"] + out["attention"]
+    steps = work.answer - 1  # the prefill samples the first token
+    step = forward_products(work, 1, 1, True)
+    out["decode_in_cache"] = steps * sum(per_call[s] * c for s, c in step.items())
+    streamed, out["decode_gbps"] = streamed_step_seconds(work, threads)
+    # never below the in-cache time: a model small enough to stay in cache streams nothing
+    out["decode_streamed"] = max(steps * streamed, out["decode_in_cache"])
+    out["trained_parameters"] = trained_parameters(work)
+    out["optimizer"] = (
+        work.epochs
+        * out["trained_parameters"]
+        * adamw_seconds_per_parameter(out["trained_parameters"], threads)
+    )
+    out["total"] = (
+        out["products_and_attention"]
+        - out["decode_in_cache"]
+        + out["decode_streamed"]
+        + out["optimizer"]
+    )
     return out
+
+
+def describe(floor: dict, digits: int = 3) -> str:
+    """One sentence of a floor's terms, for the benchmarks' tables."""
+    f = {k: f"{v:.{digits}f}" for k, v in floor.items() if isinstance(v, float)}
+    return (
+        f"floor: {f['total']} s per iteration, the products, attention and AdamW updates "
+        f"alone at their best rates measured here (time_floor.py: sampling's products "
+        f"{f['sampling']}, of which the decode steps' {f['decode_in_cache']} timed alone "
+        f"and {f['decode_streamed']} as streamed passes over the weights "
+        f"({floor['decode_gbps']:.1f} GB/s), the others {f['products']}, attention "
+        f"{f['attention']}, AdamW {f['optimizer']}; products and attention alone, the "
+        f"decode steps in cache: {f['products_and_attention']})"
+    )
 
 
 def main() -> None:
@@ -258,11 +394,22 @@ def main() -> None:
         f"forward, {floor['attention_backward'] * 1e3:.2f} ms forward + backward): "
         f"{floor['attention']:.3f} s"
     )
+    print(
+        f"decode steps' products: {floor['decode_in_cache']:.3f} s timed alone, "
+        f"{floor['decode_streamed']:.3f} s as streamed passes ({floor['decode_gbps']:.1f} GB/s)"
+    )
+    print(
+        f"AdamW, {work.epochs} updates of {floor['trained_parameters']:,} parameters: "
+        f"{floor['optimizer']:.3f} s"
+    )
+    print(f"products and attention alone, decode in cache: {floor['products_and_attention']:.3f} s")
     print(f"floor {args.size}: {floor['total']:.3f} s per iteration")
     measured = json.loads(RESULTS.read_text()).get(args.size, {}) if RESULTS.exists() else {}
     trl = args.trl_seconds or measured.get("trl", {}).get("s_per_it")
     if trl:
         print(f"floor / TRL {args.size}: {floor['total'] / trl:.3f} (TRL {trl:.2f} s/it)")
+        alone = floor["products_and_attention"] / trl
+        print(f"products and attention alone / TRL {args.size}: {alone:.3f}")
     if "rlhflab" in measured:
         ours = measured["rlhflab"]["s_per_it"]
         print(f"rlhflab / floor {args.size}: {ours / floor['total']:.2f} (rlhflab {ours:.2f} s/it)")

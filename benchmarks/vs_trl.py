@@ -744,12 +744,11 @@ def format_size(size: str, row: dict) -> str:
                 f"{r['gen_tps']:.0f} | {r['peak_mib']:.0f} | {r['gflops']:.1f} |"
             )
     if "floor_s" in row:
+        from time_floor import describe  # this folder's benchmark
+
         f = row["floor_s"]
         lines.append(
-            f"floor: {f['total']:.3f} s per iteration, the products and attention alone at "
-            f"their best rates measured here (benchmarks/time_floor.py: sampling's products "
-            f"{f['sampling']:.3f}, the others {f['products']:.3f}, attention "
-            f"{f['attention']:.3f}); TRL at {row['trl']['s_per_it'] / f['total']:.2f}× it, "
+            f"{describe(f)}; TRL at {row['trl']['s_per_it'] / f['total']:.2f}× it, "
             f"rlhflab at {row['rlhflab']['s_per_it'] / f['total']:.2f}×"
         )
     return "\n".join(lines)

@@ -81,7 +81,8 @@ the figure shows is the precision's doing.
     python benchmarks/vs_trl_real.py --rows trl rlhflab --rounds 1
 
 The converted model must exist first (``python examples/smollm2/prepare.py``). The last
-lines are ``floor / TRL SmolLM2-135M: F``, ``time ratio SmolLM2-135M equal: X`` and
+lines are ``floor / TRL SmolLM2-135M: F``, each side's iteration over the floor (and over
+the products and attention alone, the floor before 2026-12-06: ``time_floor.py``), ``time ratio SmolLM2-135M equal: X`` and
 ``memory ratio SmolLM2-135M equal: Y`` (rlhflab native against TRL fp32), the transformers
 runtime's ratios, TRL bf16's against TRL fp32, ``time ratio SmolLM2-135M levers: Z`` and
 ``memory ratio SmolLM2-135M levers: W`` against TRL fp32, the same against TRL bf16, and
@@ -501,12 +502,9 @@ def format_table(record: dict) -> str:
             first = record["errors"][side].strip().splitlines()[-1][:160]
             lines.append(f"| {row_label(side, record)} | failed: {first} | | | | | |")
     if floor:
-        lines.append(
-            f"floor: {floor['total']:.2f} s per iteration, the products and attention alone at "
-            f"their best rates measured here (time_floor.py: sampling's products "
-            f"{floor['sampling']:.2f}, the others {floor['products']:.2f}, attention "
-            f"{floor['attention']:.2f})"
-        )
+        from time_floor import describe  # this folder's benchmark
+
+        lines.append(describe(floor, 2))
     return "\n".join(lines)
 
 
@@ -528,6 +526,14 @@ def ratio_lines(record: dict) -> list[str]:
         trl = res.get("trl")
         value = f"{record['floor_s']['total'] / trl['s_per_it']:.3f}" if trl else missing("trl")
         out.append(f"floor / TRL {NAME}: {value}")
+        floor = record["floor_s"]
+        for side in ("rlhflab", "trl"):
+            if side in res:
+                r = res[side]["s_per_it"]
+                out.append(
+                    f"{side} / floor {NAME}: {r / floor['total']:.2f} (against the products "
+                    f"and attention alone, decode in cache: {r / floor['products_and_attention']:.2f})"
+                )
     pairs = [
         ("equal", "rlhflab", "trl"),
         ("equal transformers runtime", "rlhflab-tf", "trl"),
