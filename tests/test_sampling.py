@@ -107,12 +107,17 @@ def test_the_gumbel_sampler_is_its_own_random_stream():
     assert not torch.equal(a, b)
     with pytest.raises(ValueError, match="sampler must be one of"):
         draw_tokens(logits, None, "greedy")
-    for bad in (float("nan"), float("inf")):  # refused by both, as torch.multinomial does
+    for bad in (float("nan"), float("inf")):  # refused by both, saying which row
         broken = logits.clone()
         broken[5, 7] = bad
         for name in ("multinomial", "gumbel"):
-            with pytest.raises((ValueError, RuntimeError)):
+            with pytest.raises(ValueError, match="row 5 hold NaN or \\+inf"):
                 draw_tokens(broken, torch.Generator().manual_seed(1), name)
+    empty = logits.clone()
+    empty[3] = float("-inf")  # top-k/top-p left nothing: not a NaN message
+    for name in ("multinomial", "gumbel"):
+        with pytest.raises(ValueError, match="every token of row 3 is filtered out"):
+            draw_tokens(empty, torch.Generator().manual_seed(1), name)
 
 
 def test_sample_draws_with_the_sampler_it_is_given(monkeypatch):

@@ -55,7 +55,8 @@ class RolloutConfig:
         "49,152-token vocabulary, because torch.multinomial draws its exponentials with a "
         "scalar loop (docs/benchmarks.md). Used by PPO's, the monitor's and the reward "
         "refresh's sampling and by `rlhflab generate` / `rlhflab eval`; the gold "
-        "evaluation inside training keeps multinomial.",
+        "evaluations (inside training, `rlhflab demo`'s and `rlhflab compare`'s) keep "
+        "multinomial.",
         choices=("multinomial", "gumbel"),
     )
     score_micro_batch: int = setting(
@@ -108,8 +109,11 @@ class PPOConfig:
         "needs all of a model's gradients first), one micro-batch per minibatch and a single "
         "process. The guard then holds back only tensors whose gradient is not finite (the "
         "rest are already updated, and their AdamW step counts advance while the "
-        "learning-rate schedule does not, as for any skipped update), and a non-finite value "
-        "loss skips only the critic's update (the policy's was applied in its backward).",
+        "learning-rate schedule does not, as for any skipped update), and a non-finite loss "
+        "holds back only the backwards not yet run: a separate critic's backward comes "
+        "after the policy's, or before it when its values come from its training forward "
+        "(values_from_training_forward, one minibatch), and the model whose backward already "
+        "ran keeps its update; a shared backbone is one backward, skipped whole.",
     )
     micro_batch_size: int | None = setting(
         None,

@@ -194,21 +194,39 @@ def draw_tokens(logits: torch.Tensor, generator, sampler: str = "multinomial") -
     torch.multinomial draws one exponential per token for the equivalent race, with a
     scalar loop on the CPU: 9.9 ms per (8, 49,152) draw against 2.1 ms for this one
     (2-core Intel Xeon, 2026-12-06). U is float32 and kept above its smallest normal, so G
-    lies in [-4.5, 16.6]: float32's uniforms cut the tails off either way. Logits holding
-    NaN or +inf are refused under both. Different random streams: the same generator state
+    lies in [-4.5, 16.6]: float32's uniforms cut the tails off either way. A row holding
+    NaN or +inf, or with every token filtered out, is refused under both with a ValueError
+    naming it. Different random streams: the same generator state
     gives different tokens under the two samplers."""
+    if sampler not in SAMPLERS:
+        raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
     if sampler == "gumbel":
-        top = logits.amax(-1)  # NaN or +inf: refused, as torch.multinomial refuses them
-        if not bool(torch.isfinite(top).all()):
-            raise ValueError("draw_tokens: the logits hold NaN or +inf")
+        _refuse_undrawable(logits.amax(-1))
         # float32 uniforms whatever the logits' dtype: 8-bit ones would cap the noise
         u = torch.rand(logits.shape, generator=generator, device=logits.device)
         noise = u.clamp_(min=torch.finfo(u.dtype).tiny).log_().neg_().log_().neg_()
         return torch.argmax(logits.float() + noise, dim=-1)
-    if sampler != "multinomial":
-        raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
     probs = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    try:
+        return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    except RuntimeError:
+        # only now look at why (no extra pass over the logits on the hot path)
+        _refuse_undrawable(logits.amax(-1))
+        raise
+
+
+def _refuse_undrawable(top: torch.Tensor) -> None:
+    """Refuse rows that no sampler can draw from, by each row's largest logit ``top``
+    (B,): NaN or +inf anywhere, or every token filtered out (all -inf)."""
+    if bool(torch.isfinite(top).all()):
+        return
+    bad = int((~torch.isfinite(top)).nonzero()[0, 0])
+    if top[bad] == float("-inf"):
+        raise ValueError(
+            f"draw_tokens: every token of row {bad} is filtered out (all logits -inf); "
+            "nothing is left to draw from"
+        )
+    raise ValueError(f"draw_tokens: the logits of row {bad} hold NaN or +inf")
 
 
 @torch.no_grad()
