@@ -51,6 +51,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from cpu_matmul import cpu_name, rate  # this folder's benchmark: one timing loop for all
+from floor_memory import adamw_seconds_per_parameter, set_threads, streamed_step_seconds
 from vs_trl import EPOCHS, ROLLOUTS, SIZES
 
 from rlhflab.backends.cpu_blas import set_numpy_blas_threads
@@ -155,11 +156,6 @@ def iteration_products(work: Work, prompt: int) -> Counter:
     return total
 
 
-def set_threads(n: int) -> None:
-    torch.set_num_threads(n)
-    set_numpy_blas_threads(n)
-
-
 def best_product_seconds(m: int, k: int, n: int, threads: int = 1) -> float:
     """Seconds of the fastest (m×k)·(k×n) product over both libraries and all layouts, on
     one thread or ``threads`` (a few-row product can be faster on one: no threads to
@@ -231,67 +227,6 @@ def trained_parameters(work: Work) -> int:
     return policy + critic
 
 
-def streamed_step_seconds(work: Work, threads: int = 1, seconds: float = 0.5) -> tuple:
-    """(seconds, GB/s) of one sampling step's products run as a decode step must run them:
-    ``rollouts`` rows multiplied by every weight of one forward in turn, each weight its own
-    tensor, so that a model larger than the cache streams its weights from memory as a real
-    decode step does. Best over both libraries, both weight layouts and one thread or
-    ``threads``; leaves ``threads`` set. The GB/s is the weights' bytes over the time."""
-    shapes = list(forward_products(work, 1, 1, True).elements())
-    weight_bytes = 4 * sum(k * n for _, k, n in shapes)
-    best = float("inf")
-    for transposed in (False, True):
-        # constant weights: the timing of a product does not depend on its values, and
-        # filling is far quicker than drawing random numbers for a whole model
-        weights = [
-            torch.full((n, k), 0.01).t() if transposed else torch.full((k, n), 0.01)
-            for _, k, n in shapes
-        ]
-        inputs = {(m, k): torch.randn(m, k) for m, k, _ in shapes}
-        pairs = [(inputs[(m, k)], w) for (m, k, _), w in zip(shapes, weights, strict=True)]
-        numpy_pairs = [(x.numpy(), w.numpy()) for x, w in pairs]
-        for t in sorted({1, threads}):
-            set_threads(t)
-
-            def with_torch(pairs=pairs):
-                for x, w in pairs:
-                    torch.mm(x, w)
-
-            def with_numpy(pairs=numpy_pairs):
-                for x, w in pairs:
-                    np.matmul(x, w)
-
-            for call in (with_torch, with_numpy):
-                # rate() returns calls × flops / s / 1e9: with flops = 1e9, calls per second
-                best = min(best, 1 / rate(call, 1e9, seconds=seconds))
-        del weights, pairs, numpy_pairs
-    set_threads(threads)
-    return best, weight_bytes / best / 1e9
-
-
-def adamw_seconds_per_parameter(parameters: int, threads: int = 1) -> float:
-    """Seconds per parameter of one AdamW update (fp32 parameters, gradients and both
-    moments, no clipping), the faster of torch's fused and foreach implementations, one
-    thread or ``threads``, timed over up to 2**25 parameters in tensors of up to 2**22
-    (large enough to stream from memory as a real model's update does); leaves ``threads``
-    set."""
-    n = min(parameters, 1 << 25)
-    chunk = 1 << 22
-    sizes = [chunk] * (n // chunk) + ([n % chunk] if n % chunk else [])
-    best = float("inf")
-    for t in sorted({1, threads}):
-        set_threads(t)
-        for variant in ("fused", "foreach"):
-            params = [torch.nn.Parameter(torch.zeros(size)) for size in sizes]
-            for p in params:
-                p.grad = torch.full_like(p, 1e-3)
-            opt = torch.optim.AdamW(params, lr=1e-6, **{variant: True})
-            best = min(best, 1 / rate(opt.step, 1e9, seconds=0.5))
-            del opt, params
-    set_threads(threads)
-    return best / n
-
-
 def floor_seconds(
     work: Work, prompt_tokens: int, table: list[str] | None = None, threads: int = 1
 ) -> dict:
@@ -330,7 +265,7 @@ def floor_seconds(
     steps = work.answer - 1  # the prefill samples the first token
     step = forward_products(work, 1, 1, True)
     out["decode_in_cache"] = steps * sum(per_call[s] * c for s, c in step.items())
-    streamed, out["decode_gbps"] = streamed_step_seconds(work, threads)
+    streamed, out["decode_gbps"] = streamed_step_seconds(list(step.elements()), threads)
     # never below the in-cache time: a model small enough to stay in cache streams nothing
     out["decode_streamed"] = max(steps * streamed, out["decode_in_cache"])
     out["trained_parameters"] = trained_parameters(work)
