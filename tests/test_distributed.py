@@ -63,19 +63,20 @@ def ranks(n, *args, fails=False, timeout=600):
         for r, (out, err) in enumerate(logs)
     ]
     deadline, code, late = time.monotonic() + timeout, 0, ""
-    while any(p.poll() is None for p in procs):
-        failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
-        if failed or time.monotonic() > deadline:
-            code = failed[0] if failed else -9
-            late = "" if failed else f" (killed after {timeout} s)"
-            for p in procs:  # a rank left waiting at a collective would never return
-                if p.poll() is None:
-                    p.kill()
-            break
-        time.sleep(0.05)
-    for p in procs:
-        p.wait()
-        code = code or p.returncode
+    try:
+        while any(p.poll() is None for p in procs):
+            failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                code = failed[0] if failed else -9
+                late = "" if failed else f" (killed after {timeout} s)"
+                break
+            time.sleep(0.05)
+    finally:  # a rank left waiting at a collective would never return (nor on Ctrl-C)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+            code = code or p.returncode
     texts = []
     for stream in (0, 1):
         parts = []
