@@ -172,9 +172,14 @@ def test_transformers_backbone_keeps_the_same_rows(gqa_folder):
         torch.testing.assert_close(M.last_token_hidden(hf, ids, mask), hidden[:, -1])
 
 
-def test_rotary_is_transformers_expression_and_its_gradient_the_inverse_rotation():
+@pytest.mark.parametrize("compiling", [False, True])
+def test_rotary_is_transformers_expression_and_its_gradient_the_inverse_rotation(
+    compiling, monkeypatch
+):
     """apply_rotary on a transposed (B, heads, L, d) view, against q·cos + rotate_half(q)·sin
-    written out with the repeated angles, in float64; gradcheck for the backward."""
+    written out with the repeated angles, in float64; gradcheck for the backward. Also the
+    expression torch.compile traces instead of the out= kernel inductor cannot take."""
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
     B, H, L, D = 2, 3, 5, 8
     q = torch.randn(B, L, H, D, dtype=torch.float64).transpose(1, 2).requires_grad_()
     angles = torch.randn(B, 1, L, D // 2, dtype=torch.float64)

@@ -69,6 +69,10 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     cos = [c, c], sin = [s, s] makes ~4.5 passes over q and a cat; this makes 2)."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
+    if torch.compiler.is_compiling():
+        # torch.compile fuses these passes anyway, and inductor (torch 2.13) fails on the
+        # out= products below ("mul expected 2 arguments, got 3"): the plain expression
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1)
     out = torch.empty_like(x)
     o1, o2 = out[..., :half], out[..., half:]
     torch.mul(x1, cos, out=o1).addcmul_(x2, sin, value=-1)
