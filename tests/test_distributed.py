@@ -3,6 +3,7 @@ starts them, and the documented command under torchrun itself."""
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -25,18 +26,6 @@ def _worker_env() -> dict:
     return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
 
 
-def _check(done, fails: bool, what: str):
-    if (done.returncode != 0) != fails:
-        # both ranks' whole output, not only a summary at the end, and not through an
-        # assertion's repr, which pytest shortens in the middle, where a rank's stack is
-        pytest.fail(
-            f"{what} exited {done.returncode}\n"
-            f"--- stdout ---\n{done.stdout[-4000:]}\n--- stderr ---\n{done.stderr[-20000:]}",
-            pytrace=False,
-        )
-    return done
-
-
 def ranks(n, *args, fails=False, timeout=600):
     """Run tests/dist_worker.py on ``n`` ranks as torchrun starts them — one process per
     rank with the variables torchrun sets and rlhflab and torch.distributed read (RANK,
@@ -44,7 +33,9 @@ def ranks(n, *args, fails=False, timeout=600):
     ending the others as torchrun's agent does — without torchrun's agent process, which
     costs ~2 s a launch on 2 cores (a 2-rank no-op: 4.1 s under torchrun, 1.8 s so); the
     tests of the documented command run torchrun itself. It must succeed (or, with
-    ``fails``, must not); returns the finished run, both streams of every rank."""
+    ``fails``, must fail; a run that hangs past ``timeout`` fails the test either way).
+    Returns the finished run: its exit status (the first failing rank's), and each stream
+    of every rank, headed by the rank."""
     with socket.socket() as s:  # a free port for the group's store, as --standalone finds
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -52,23 +43,25 @@ def ranks(n, *args, fails=False, timeout=600):
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(n))
     env.update(LOCAL_WORLD_SIZE=str(n))
     logs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in range(n)]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, WORKER, *args],
-            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-            stdout=out,
-            stderr=err,
-            text=True,
-        )
-        for r, (out, err) in enumerate(logs)
-    ]
-    deadline, code, late = time.monotonic() + timeout, 0, ""
+    procs, code, hung = [], 0, False
+    deadline = time.monotonic() + timeout
     try:
-        while any(p.poll() is None for p in procs):
-            failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
-            if failed or time.monotonic() > deadline:
-                code = failed[0] if failed else -9
-                late = "" if failed else f" (killed after {timeout} s)"
+        for r, (out, err) in enumerate(logs):
+            rank_env = {**env, "RANK": str(r), "LOCAL_RANK": str(r)}
+            cmd = [sys.executable, WORKER, *args]
+            procs.append(subprocess.Popen(cmd, env=rank_env, stdout=out, stderr=err, text=True))
+        while True:
+            states = [p.poll() for p in procs]  # every rank, every time
+            failed = [c for c in states if c not in (None, 0)]
+            if failed or None not in states:
+                code = failed[0] if failed else 0
+                break
+            if time.monotonic() > deadline:
+                hung = True
+                for p in procs:  # faulthandler prints each thread's stack on SIGABRT
+                    if p.poll() is None:
+                        p.send_signal(signal.SIGABRT)
+                time.sleep(5)
                 break
             time.sleep(0.05)
     finally:  # a rank left waiting at a collective would never return (nor on Ctrl-C)
@@ -76,17 +69,23 @@ def ranks(n, *args, fails=False, timeout=600):
             if p.poll() is None:
                 p.kill()
             p.wait()
-            code = code or p.returncode
+    # each rank's own tail, so that one rank's long output cannot hide another's error
     texts = []
-    for stream in (0, 1):
+    for stream, keep in ((0, 4000), (1, 12000)):
         parts = []
         for r, files in enumerate(logs):
             files[stream].seek(0)
-            parts.append(f"[rank {r}]\n{files[stream].read()}")
+            parts.append(f"[rank {r}]\n{files[stream].read()[-keep:]}")
             files[stream].close()
         texts.append("\n".join(parts))
-    done = subprocess.CompletedProcess(procs[0].args, code, texts[0], texts[1])
-    return _check(done, fails, f"{n} ranks of {' '.join(args)}{late}")
+    what = f"{n} ranks of {' '.join(args)}"
+    if hung or (code != 0) != fails:
+        status = f"still running after {timeout} s" if hung else f"exited {code}"
+        pytest.fail(
+            f"{what} {status}\n--- stdout ---\n{texts[0]}\n--- stderr ---\n{texts[1]}",
+            pytrace=False,  # not through an assertion's repr, which pytest shortens
+        )
+    return subprocess.CompletedProcess(procs[0].args, code, texts[0], texts[1])
 
 
 @pytest.mark.parametrize(
