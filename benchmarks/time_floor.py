@@ -14,12 +14,14 @@ be met on this machine at equal settings.
 Two of the terms are bound by memory, not arithmetic, and are timed as the iteration must
 run them (issue 27): a sampling step multiplies its few rows by *every* weight of the
 model once, so its products are timed as one pass over a whole model's worth of distinct
-weights (``decode_streamed``; a model larger than the cache streams them from memory, as
-a real decode step does), where timing each product alone, repeated, keeps its one weight
-in cache (``decode_in_cache``, what the floor counted before 2026-12-06: still printed, and
-the floor without both terms is ``products_and_attention``); and AdamW reads and writes
-the parameters, gradients and both moments of every trained parameter once per update
-(``optimizer``: the policy's and the critic's parameters, one update of each per epoch).
+weights, each product shape with its own best library and layout (``decode_streamed``; a
+model larger than the cache streams them from memory, as a real decode step does), where
+timing each product alone, repeated, keeps its one weight in cache (``decode_in_cache``,
+what the floor counted before 2026-12-06: still printed, and the floor without both terms
+is ``products_and_attention``); and AdamW reads and writes the parameters and both
+moments of every trained parameter once per update (``optimizer``: the policy's and the
+critic's parameters, one update of each per epoch, the gradient taken as in cache, as
+``ppo.step_in_backward`` finds it). Both in ``floor_memory.py``.
 
 The work is ``vs_trl.py``'s (its SIZES, 16 rollouts, 4 epochs of one minibatch; any other
 shapes as a ``Work``, e.g. ``vs_trl_real.py``'s SmolLM2-135M from its config.json) with the
