@@ -196,7 +196,8 @@ def draw_tokens(logits: torch.Tensor, generator, sampler: str = "multinomial") -
     (2-core Intel Xeon, 2026-12-06). U is float32 and kept above its smallest normal, so G
     lies in [-4.5, 16.6]: float32's uniforms cut the tails off either way. A row holding
     NaN or +inf, or with every token filtered out, is refused under both with a ValueError
-    naming it. Different random streams: the same generator state gives different tokens
+    naming it (on a GPU, torch.multinomial's own check may fire asynchronously first, as
+    a device-side assert). Different random streams: the same generator state gives different tokens
     under the two samplers."""
     if sampler not in SAMPLERS:
         raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
