@@ -79,10 +79,10 @@ def adamw_seconds_per_parameter(parameters: int, threads: int = 1) -> float:
     """Seconds per parameter of one AdamW update (fp32, no clipping), the faster of torch's
     fused and foreach implementations, one thread or ``threads``, over up to 2**25
     parameters in tensors of 2**20: the parameters and both moments streamed (3 × 128 MiB
-    at most, from memory where that outgrows the last-level cache), the gradient in cache — one
-    gradient tensor shared by every parameter, as when ``ppo.step_in_backward`` updates a
-    tensor right after its gradient is written, the cheapest an update can be. Leaves
-    ``threads`` set."""
+    at most, from memory where that outgrows the last-level cache), the gradient in cache:
+    one gradient tensor shared by every parameter, as when ``ppo.step_in_backward``
+    updates a tensor right after its gradient is written, the cheapest an update can be.
+    Leaves ``threads`` set."""
     n = min(parameters, 1 << 25)
     chunk = min(n, 1 << 20)
     sizes = [chunk] * (n // chunk) + ([n % chunk] if n % chunk else [])

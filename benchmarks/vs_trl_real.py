@@ -82,8 +82,9 @@ the figure shows is the precision's doing.
 
 The converted model must exist first (``python examples/smollm2/prepare.py``). The last
 lines are ``floor / TRL SmolLM2-135M: F``, each side's iteration over the floor (and over
-the products and attention alone, the floor before 2026-12-06: ``time_floor.py``), ``time ratio SmolLM2-135M equal: X`` and
-``memory ratio SmolLM2-135M equal: Y`` (rlhflab native against TRL fp32), the transformers
+the products and attention alone, the floor before 2026-12-06: ``time_floor.py``),
+``time ratio SmolLM2-135M equal: X`` and ``memory ratio SmolLM2-135M equal: Y`` (rlhflab
+native against TRL fp32), the transformers
 runtime's ratios, TRL bf16's against TRL fp32, ``time ratio SmolLM2-135M levers: Z`` and
 ``memory ratio SmolLM2-135M levers: W`` against TRL fp32, the same against TRL bf16, and
 the KL line; ``results-real.json`` in ``--work`` keeps every number. A row that fails is
