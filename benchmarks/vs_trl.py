@@ -7,7 +7,11 @@ policy/reference, reward and value models (value initialised from the reward mod
 TRL's examples), the same tokenizer and prompts, and the same work per iteration: 16
 rollouts, answers forced to full length (EOS is an ordinary token on both sides), 4 PPO
 epochs of one minibatch, k1 KL in the reward with β = 0.05, clip 0.2 / value clip 0.2,
-γ = 1, λ = 0.95, one learning rate, fp32, one torch thread. Each run is its own process;
+γ = 1, λ = 0.95, one learning rate, fp32, one torch thread. Where the two differ only in
+how they compute the same thing, each side does it its own way: TRL takes the old
+log-probs from the generation logits and rlhflab does too (``rollout.logprobs_from_sampling``);
+TRL draws tokens with ``torch.multinomial``, rlhflab from the same softmax by the Gumbel-max
+trick (``rollout.sampler=gumbel``, since 2026-12-07). Each run is its own process;
 runs alternate A B A B. The first ``--warmup`` iterations are not timed.
 
 Reported per size: median and spread of seconds per iteration, generation tokens per
@@ -210,6 +214,11 @@ def rlhflab_config(
             # (ppo_trainer.py: logprob = selective_log_softmax(logitss[...], response)), with
             # no policy forward after sampling; the same here
             "logprobs_from_sampling": True,
+            # TRL draws with torch.multinomial; the same softmax drawn by the Gumbel-max
+            # trick (an exact draw from the same distribution, another random stream), whose
+            # CPU draw is ~5x faster at a large vocabulary (docs/benchmarks.md, "What each
+            # optimisation bought"). The work the floor counts is unchanged: it has no draw
+            "sampler": "gumbel",
         },
         "ppo": {
             "iterations": iterations,

@@ -25,7 +25,9 @@ same text without special tokens.
 × 24 answer tokens forced (EOS an ordinary token on both sides), 2 PPO epochs of one
 minibatch, fp32, 2 threads, rlhflab's monitors off; k1 KL in the reward with β = 0.05,
 clip 0.2 / value clip 0.2, γ = 1, λ = 0.95, lr 3e-6, no gradient clip (TRL 1.12 clips
-none) — ``vs_trl.rlhflab_config`` and ``vs_trl.run_trl`` with these sizes. SmolLM2's
+none) — ``vs_trl.rlhflab_config`` and ``vs_trl.run_trl`` with these sizes (so rlhflab
+draws every row's tokens with ``rollout.sampler=gumbel``, the same softmax as TRL's
+``torch.multinomial`` through the Gumbel-max trick, since 2026-12-07). SmolLM2's
 tokenizer pads with its EOS, ``<|im_end|>``, which occurs twice in every chat prompt; TRL
 builds its masks as ``ids != pad_token_id``, so on TRL's side a ``[PAD]`` token is added
 first, as TRL's PPO example script does (otherwise TRL would mask the prompts' own
@@ -54,8 +56,8 @@ Rows (``--rows``):
   reward model's shape, measured first), ``model.compute_dtype`` bf16 only where it pays
   (``--lever-compute``; ``auto``: bf16 where a bf16 product at the training shape runs
   faster than an fp32 one here — on a CPU without AMX bf16 is emulated and a PPO iteration
-  2–3× slower, docs/real-models.md, "Precision"), and ``rollout.sampler=gumbel`` (tokens
-  drawn by the Gumbel-max trick: the same distribution as ``torch.multinomial``, 9.9 →
+  2–3× slower, docs/real-models.md, "Precision"); like every rlhflab row, it draws
+  with ``rollout.sampler=gumbel`` (the same distribution as ``torch.multinomial``, 9.9 →
   2.1 ms per decoding step's draw at this vocabulary).
 
 **KL to full precision** (printed beside the levers' ratios). Lower precision changes the
@@ -213,9 +215,6 @@ def rlhflab_real_config(folder: Path, iterations: int, side: str, opts: dict) ->
             compute_dtype=compute,
         )
         cfg["ppo"]["lr"] = LEVER_LR
-        # the Gumbel-max draw: the same softmax, its own random stream (both levers runs,
-        # so the KL below compares precision alone)
-        cfg["rollout"]["sampler"] = "gumbel"
     return cfg
 
 
