@@ -134,3 +134,33 @@ def test_no_intact_checkpoint_is_an_error_not_a_fresh_start(tmp_path, capsys):
     (bad / "state.pt").write_bytes(b"PK\x03\x04 cut short")
     with pytest.raises(C.CheckpointError, match=r"step-2"):
         C.latest_checkpoint(tmp_path / "run")
+
+
+def test_a_result_file_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
+    """Summaries, tables, reports and a run's config.yaml go through write_text_atomic: a
+    write that fails (here an unencodable character, then a kill between the write and the
+    rename) leaves the old file as it was and no temporary file behind."""
+    from rlhflab.app.report import build_report
+    from rlhflab.infra import files
+
+    path = tmp_path / "summary.json"
+    files.write_text_atomic(path, '{"gold": 1}')
+    with pytest.raises(UnicodeEncodeError):
+        files.write_text_atomic(path, '{"gold": "\ud800"}')  # a lone surrogate
+    assert path.read_text() == '{"gold": 1}'
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+
+    run = tmp_path / "ppo"
+    run.mkdir()
+    write_jsonl(run / "metrics.jsonl", [{"iteration": 1, "objective/scores": 0.5}])
+    before = build_report(run).read_text(encoding="utf-8")
+    write_jsonl(run / "metrics.jsonl", [{"iteration": i, "objective/scores": 0.5} for i in (1, 2)])
+
+    def killed(src, dst):
+        raise KeyboardInterrupt  # as a Ctrl-C between the write and the rename
+
+    monkeypatch.setattr(files.os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        build_report(run)
+    assert (run / "report.html").read_text(encoding="utf-8") == before
+    assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl", "report.html"]

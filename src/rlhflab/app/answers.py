@@ -32,6 +32,7 @@ from rlhflab.experience.data import load_prompts
 from rlhflab.experience.rewards import FunctionReward, ModelReward, RewardBatch
 from rlhflab.experience.rollout import Rollout, generate_rollout
 from rlhflab.infra.distributed import resolve_device
+from rlhflab.infra.files import write_text_atomic
 from rlhflab.infra.runs import PolicySource, find_policy, is_run_dir, read_run_config
 from rlhflab.models.build import load_model, load_tokenizer_for
 from rlhflab.trainers.common import progress
@@ -290,7 +291,7 @@ def run_eval(args) -> dict:
     }
     write_jsonl(answers_path, rows)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
+    write_text_atomic(out, json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
     return summary
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from rlhflab.app.tables import COMPARE_COLUMNS, cell
 from rlhflab.config import Config, validate
 from rlhflab.config import base as configbase
+from rlhflab.infra.files import write_text_atomic
 
 METHODS = ("ppo", "grpo", "rloo", "dpo")
 COLUMNS = COMPARE_COLUMNS
@@ -145,8 +146,8 @@ def run_compare(
         if progress:
             print(format_row(rows[-1]), flush=True)
     table = {"preset": preset, "seed": seed, "rows": rows}
-    (run / "compare.json").write_text(json.dumps(table, indent=2))
-    (run / "compare.md").write_text(format_table(table) + "\n")
+    write_text_atomic(run / "compare.json", json.dumps(table, indent=2))
+    write_text_atomic(run / "compare.md", format_table(table) + "\n")
     from rlhflab.app.report import build_report
 
     for method in METHODS:

@@ -23,6 +23,7 @@ from rlhflab.app.tables import DEMO_COLUMNS
 from rlhflab.config import load_config
 from rlhflab.diagnostics.evaluate import evaluate_policy, heldout_prompts
 from rlhflab.experience.cast import load_frozen_policy
+from rlhflab.infra.files import write_text_atomic
 from rlhflab.infra.runinfo import read_run_info
 from rlhflab.infra.runs import load_policy
 
@@ -187,7 +188,7 @@ def run_demo(
         "ppo_training": {"iterations": ppo["iterations"], "stop_reason": ppo["stop_reason"]},
         "timing": timing,
     }
-    (run / "summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False))
+    write_text_atomic(run / "summary.json", json.dumps(summary, indent=2, ensure_ascii=False))
     from rlhflab.app.report import build_report
 
     summary["report"] = str(build_report(cfg.log.output_dir))

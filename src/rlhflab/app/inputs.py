@@ -24,6 +24,7 @@ from pathlib import Path
 
 from rlhflab.config import Config, ConfigError
 from rlhflab.experience.rewards import CallableReward, importable_spec
+from rlhflab.infra.files import write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -286,7 +287,7 @@ def note_python_rewards(run_dir: Path, extra, gold) -> None:
         path.unlink(missing_ok=True)
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"rewards": names}))
+    write_text_atomic(path, json.dumps({"rewards": names}))
 
 
 def refuse_resume_without_python_rewards(run_dir: str | Path) -> None:

@@ -23,6 +23,7 @@ from rlhflab.app import report_parts as P
 from rlhflab.app import report_sections as S
 from rlhflab.app.charts import Chart, Series
 from rlhflab.diagnostics.gold_curve import story_from_rows
+from rlhflab.infra.files import write_text_atomic
 from rlhflab.infra.runinfo import read_run_info
 from rlhflab.infra.runlog import read_json, read_jsonl
 
@@ -333,7 +334,7 @@ def build_report(run_dir: str | Path) -> Path:
     title = f"{name}: {trainer or 'run'} report, {len(rows)} iterations, {len(alerts)} alerts"
     page = _PAGE.replace("{{TITLE}}", html.escape(title))
     out = run / "report.html"
-    out.write_text(page.replace("{{BODY}}", head + "\n".join(body)), encoding="utf-8")
+    write_text_atomic(out, page.replace("{{BODY}}", head + "\n".join(body)))
     return out
 
 

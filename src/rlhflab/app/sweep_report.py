@@ -7,19 +7,13 @@ from __future__ import annotations
 import html
 import json
 import math
-import os
 import warnings
 from pathlib import Path
 
 import yaml
 
 from rlhflab.config import Config
-
-
-def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
+from rlhflab.infra.files import write_text_atomic
 
 
 def trial_rows(study) -> list[dict]:
@@ -85,13 +79,13 @@ def write_results(
             f"{best['value']:.4f}): rerun it on new seeds, e.g.\n"
             f"#   rlhflab {cfg.sweep.method} --config best.yaml seed=11\n"
         )
-        _write(
+        write_text_atomic(
             sweep_dir / "best.yaml",
             header + yaml.safe_dump(config, sort_keys=False, allow_unicode=True),
         )
         result["best_yaml"] = str(sweep_dir / "best.yaml")
-    _write(sweep_dir / "sweep.json", json.dumps(result, indent=2, default=str))
-    _write(sweep_dir / "report.html", render(result))
+    write_text_atomic(sweep_dir / "sweep.json", json.dumps(result, indent=2, default=str))
+    write_text_atomic(sweep_dir / "report.html", render(result))
     result["report"] = str(sweep_dir / "report.html")
     return result
 

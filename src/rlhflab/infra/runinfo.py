@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 import rlhflab
+from rlhflab.infra.files import write_text_atomic
 from rlhflab.infra.runlog import read_json
 
 RUN_INFO = "run.json"
@@ -68,7 +69,4 @@ def read_run_info(run_dir: str | Path) -> dict | None:
 def write_run_info(run_dir: str | Path, info: dict) -> Path:
     """Replace the run's run.json with ``info`` in one rename."""
     path = Path(run_dir) / RUN_INFO
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(info, indent=2, ensure_ascii=False, default=str), encoding="utf-8")
-    os.replace(tmp, path)
-    return path
+    return write_text_atomic(path, json.dumps(info, indent=2, ensure_ascii=False, default=str))

@@ -33,6 +33,7 @@ import yaml
 from rlhflab.config import LogConfig
 from rlhflab.infra import checkpoint as C
 from rlhflab.infra import runinfo
+from rlhflab.infra.files import write_text_atomic
 from rlhflab.infra.runlog import RunLog
 from rlhflab.trainers.common import progress
 
@@ -186,9 +187,8 @@ class RunLoop:
         if resume_step is not None and saved.is_file():
             for line in config_changes(_read_yaml(saved), self.config):
                 log.warning("--resume: the config differs from the run's: %s", line)
-        saved.write_text(
-            yaml.safe_dump(self.config, sort_keys=False, allow_unicode=True), encoding="utf-8"
-        )
+        # whole or not at all: a resume reads it back
+        write_text_atomic(saved, yaml.safe_dump(self.config, sort_keys=False, allow_unicode=True))
         return RunLog(self.run_dir, self.log.tensorboard, self.log.wandb, self.config, resume_step)
 
     def _record(self, runlog, step: int, metrics: dict) -> None:

@@ -35,6 +35,7 @@ from rlhflab.experience.rewards import (
     reward_scores,
 )
 from rlhflab.infra.distributed import resolve_device
+from rlhflab.infra.files import write_text_atomic
 from rlhflab.models.build import finish_models, load_model, load_tokenizer_for, to_trained
 from rlhflab.trainers.supervised import SupervisedTrainer
 
@@ -212,7 +213,7 @@ def write_checks(checks: dict, folder: Path) -> dict:
         for name, row in checks.items()
     }
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "rm_checks.json").write_text(json.dumps(plain, indent=2, allow_nan=False))
+    write_text_atomic(folder / "rm_checks.json", json.dumps(plain, indent=2, allow_nan=False))
     return plain
 
 
