@@ -275,3 +275,31 @@ def test_save_policy_leaves_a_live_lora_policy_as_it_was(tmp_path):
     assert not [k for k in saved if "value_head" in k or "lora" in k]
     torch.testing.assert_close(logits(hf(out)), logits(lm), atol=1e-5, rtol=0)
     assert not torch.allclose(logits(hf(out)), logits(hf(folder)), atol=1e-3)
+
+
+def test_a_run_started_with_relative_paths_is_found_from_anywhere(
+    tmp_path, monkeypatch, prompts_file
+):
+    """A LoRA run keeps its base as the run's config.yaml names it: started in one folder
+    with relative paths, its export (merged and as an adapter) and generate work from
+    another, because the run records absolute paths (and PEFT the base's absolute one)."""
+    import shutil
+
+    work = tmp_path / "work"
+    shutil.copytree(preset_path("nano"), work / "models" / "base")
+    monkeypatch.chdir(work)
+    run_args = [a for a in TINY_RUN if not a.startswith("model.policy=")]
+    run_args += ["ppo.iterations=1", "model.policy=models/base", "model.lora_r=4"]
+    assert main(["ppo", *run_args, "log.output_dir=runs/lora"]) == 0
+    recorded = (work / "runs" / "lora" / "config.yaml").read_text()
+    assert f"policy: {work / 'models' / 'base'}" in recorded
+    assert f"output_dir: {work / 'runs' / 'lora'}" in recorded
+
+    monkeypatch.chdir(tmp_path)  # elsewhere
+    run = str(work / "runs" / "lora")
+    assert main(["export", run, str(tmp_path / "adapter"), "--adapter"]) == 0
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(work / "models" / "base")
+    assert main(["export", run, str(tmp_path / "merged")]) == 0
+    assert main(["generate", "--model", run, "--prompts", str(prompts_file)]) == 0
+    assert len((tmp_path / "answers.jsonl").read_text().splitlines()) == len(PROMPTS)

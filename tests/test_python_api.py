@@ -272,3 +272,23 @@ def test_the_first_python_block_of_the_api_page_runs_as_it_stands(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "score at the last iteration:" in done.stdout
     assert (tmp_path / "runs/python-api/policy/config.json").is_file()
+
+
+def test_a_lora_adapter_saved_from_python_names_its_base_absolutely(tmp_path, monkeypatch):
+    """A model object with a relative output folder: the adapter saved with
+    merge_lora=False names its base (RUN/inputs/policy) by an absolute path, so PEFT finds
+    it from any directory."""
+    monkeypatch.chdir(tmp_path)
+    model, tokenizer = nano_object()
+    trainer = rlhflab.PPOTrainer(
+        model,
+        reward=short,
+        prompts=PROMPTS,
+        tokenizer=tokenizer,
+        overrides={**FAST, "ppo.iterations": 1, "model.lora_r": 4},
+        output_dir="run",
+    )
+    trainer.train()
+    out = trainer.save("adapter", merge_lora=False)
+    base = json.loads((Path(out) / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert base == str(tmp_path / "run" / "inputs" / "policy")

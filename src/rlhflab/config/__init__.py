@@ -6,6 +6,7 @@ Load it with :func:`load_config` (YAML file + dotted ``key=value`` overrides); p
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from rlhflab.config import base as configbase
@@ -288,6 +289,45 @@ def _check_compute_dtype(cfg: Config, stage: str) -> None:
         )
 
 
+# The settings that name local files or folders. A run records them as absolute paths
+# (trainers.loop.RunLoop), so that its config.yaml still finds its base model, data and
+# output when export, generate, eval or --resume run from another directory.
+PATH_FIELDS = (
+    ("model", "policy"),
+    ("model", "critic"),
+    ("reward", "model"),
+    ("reward", "ensemble"),
+    ("data", "prompts"),
+    ("log", "output_dir"),
+    ("sft", "data"),
+    ("sft", "output_dir"),
+    ("rm", "data"),
+    ("rm", "init"),
+    ("rm", "output_dir"),
+    ("dpo", "data"),
+)
+
+
+def absolute_paths(values: dict) -> dict:
+    """A copy of a config tree (sections of plain values, as ``to_dict`` gives) with every
+    relative path in :data:`PATH_FIELDS` made absolute against the current directory
+    (``~`` expanded; symbolic links kept as written); ``preset:NAME``, None and sections
+    the tree lacks are left as they are."""
+
+    def absolute(v):
+        if isinstance(v, list):
+            return [absolute(x) for x in v]
+        if not isinstance(v, str) or not v or v.startswith("preset:"):
+            return v
+        return os.path.abspath(os.path.expanduser(v))
+
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in values.items()}
+    for sec, name in PATH_FIELDS:
+        if isinstance(out.get(sec), dict) and name in out[sec]:
+            out[sec][name] = absolute(out[sec][name])
+    return out
+
+
 def load_config(
     path=None, overrides=None, base: dict | None = None, stage="ppo", reward_given=False
 ) -> Config:
@@ -300,6 +340,8 @@ def load_config(
 
 
 __all__ = [
+    "PATH_FIELDS",
+    "absolute_paths",
     "PRECISIONS",
     "LOSS_KL_ESTIMATORS",
     "ADVANTAGE_ESTIMATORS",

@@ -60,7 +60,9 @@ def resolve_path(spec: str, field: str = "model") -> Path:
             return preset_path(spec.split(":", 1)[1])
         except ValueError as exc:
             raise ModelLoadError(f"{field}: {exc}") from None
-    path = Path(spec).expanduser()
+    # absolute: the name transformers and PEFT record (a LoRA adapter's base) must find the
+    # folder from any directory
+    path = Path(spec).expanduser().absolute()
     if not (path / "config.json").exists():
         raise ModelLoadError(
             f"{field}: {spec!r} is not a local Hugging Face model folder (no config.json); "

@@ -30,7 +30,7 @@ from typing import Protocol
 
 import yaml
 
-from rlhflab.config import LogConfig
+from rlhflab.config import LogConfig, absolute_paths
 from rlhflab.infra import checkpoint as C
 from rlhflab.infra import runinfo
 from rlhflab.infra.files import write_text_atomic
@@ -86,6 +86,11 @@ class RunLoop:
     # (run_dir, set_aside) -> the newest checkpoint that is whole, or None: by default
     # rlhflab's checkpoint format's check; a job that writes another format brings its own
     latest: Callable[[Path, bool], Path | None] = C.latest_checkpoint
+
+    def __post_init__(self):
+        # recorded absolute: the run's config.yaml must find its base model and data from
+        # wherever export, generate, eval or --resume are run later
+        self.config = absolute_paths(self.config)
 
     def run(self, job: Job, resume: bool = False) -> RunResult:
         start = time.perf_counter()
