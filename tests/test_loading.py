@@ -265,6 +265,37 @@ def test_a_causal_lm_given_as_the_reward_model_is_refused(tmp_path, capsys, runt
 
 
 @pytest.mark.parametrize("runtime", RUNTIMES)
+def test_a_reward_model_given_as_the_policy_is_refused(tmp_path, capsys, nano_rm, runtime):
+    """A sequence classifier's folder is no policy: untied, it has no LM head, which
+    transformers would start at random, saying so only in its load report; tied, its
+    score head would be ignored. Every command that loads a policy refuses either in one
+    line naming the folder (the native loader did already); a critic is refused one too."""
+    untied = tmp_path / "rm-untied"
+    shutil.copytree(nano_rm, untied)
+    config = json.loads((untied / "config.json").read_text())
+    (untied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    (tmp_path / "p.jsonl").write_text('{"prompt": "hi"}\n')
+    out = tmp_path / "out"
+    common = [f"model.runtime={runtime}", "device=cpu", f"log.output_dir={out}"]
+    ppo = ["ppo", "reward.functions={tests.reward_fns:zero_reward: 1}", *common]
+    for folder, missing in ((untied, "['lm_head.weight']"), (nano_rm, "[]")):
+        for args in (
+            [*ppo, f"model.policy={folder}"],
+            ["sft", f"model.policy={folder}", f"sft.output_dir={out}", *common],
+            ["generate", "--model", str(folder), "--prompts", str(tmp_path / "p.jsonl")],
+        ):
+            assert main(args) == 2, args
+            line = error_line(capsys)
+            assert f"{folder}: weights do not match" in line and f"missing {missing}" in line
+            assert "unexpected ['score.weight']" in line, line
+            assert not out.exists()
+    assert main([*ppo, "model.policy=preset:nano", f"model.critic={nano_rm}"]) == 2
+    line = error_line(capsys)
+    assert str(nano_rm) in line and "3 outputs where 1" in line and "model.critic:" in line
+    assert "model.value_model=from_reward" in line
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
 def test_rm_init_with_a_head_of_another_size_is_one_line(tmp_path, capsys, nano_rm, runtime):
     # the fixture has 3 heads; rm.heads asks for its own default set
     out = tmp_path / "rm"

@@ -70,7 +70,7 @@ def load_model(
     if kind == "causal":
         model = load_causal_lm(path, tokenizer, dtype=dtype, **common)
     elif kind == "critic":
-        model = critic_from_causal_lm(path, tokenizer, **common)
+        model = critic_from_causal_lm(path, tokenizer, field=field, **common)
     else:
         model = load_sequence_classifier(
             path,

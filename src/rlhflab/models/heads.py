@@ -66,15 +66,19 @@ def token_values(critic, input_ids, attention_mask, keep_last: int = 0) -> torch
     return fp32_head(head, hidden.to(head.weight.dtype)).squeeze(-1).float()
 
 
-def critic_from_causal_lm(path, tokenizer, trust_remote_code=False, runtime="transformers"):
-    """A separate critic: the causal LM's backbone with a zero-initialised scalar head."""
+def critic_from_causal_lm(
+    path, tokenizer, trust_remote_code=False, runtime="transformers", field="model.critic"
+):
+    """A separate critic: the causal LM's backbone with a zero-initialised scalar head
+    (``field``: the setting that named the folder, for errors)."""
     critic = load_sequence_classifier(
         path,
         tokenizer,
         trust_remote_code,
         num_labels=1,
         runtime=runtime,
-        heads_reason="model.critic: a critic has one value head",
+        heads_reason=f"{field}: the critic starts from this folder with one value head; "
+        "a reward model's folder goes in reward.model, with model.value_model=from_reward",
     )
     nn.init.zeros_(critic.score.weight)
     if critic.score.bias is not None:

@@ -8,6 +8,7 @@ the folder's files checked, dropout off, fp32 weights for the models that train.
 from __future__ import annotations
 
 import json
+import logging
 import warnings
 from pathlib import Path
 
@@ -23,6 +24,8 @@ from rlhflab.models.prepare import (
     hf_load,
 )
 from rlhflab.models.presets import preset_path
+
+log = logging.getLogger(__name__)
 
 
 def _owned_memory_kwargs() -> dict:
@@ -168,11 +171,46 @@ def load_causal_lm(
     if runtime == "native":
         return _load_native(path, "causal", tokenizer, dtype=dtype)
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
-    model, _ = hf_load(AutoModelForCausalLM, path, trust_remote_code, {}, dtype=dtype)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its load report: said below in one line, or refused
+    try:
+        model, info = hf_load(AutoModelForCausalLM, path, trust_remote_code, {}, dtype=dtype)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    _refuse_fresh_weights(model, info, path)
     _fit_vocab(model, tokenizer)
     contiguous_head_input(model)  # after _fit_vocab, which may replace the head
     return disable_dropout(model)
+
+
+def _refuse_fresh_weights(model, info: dict, path) -> None:
+    """A causal LM whose saved weights lack some of its parameters would start them at
+    random and say so only in transformers' load report: a reward model's folder (a
+    ``score`` head, no ``lm_head``) or an encoder would train and sample as garbage. Refused
+    naming what is missing, as the native runtime's loader does; so is a sequence
+    classifier's folder whose head is tied to its embeddings (it would load, its ``score``
+    weights ignored). Other unused tensors are only named in a warning."""
+    params = dict(model.named_parameters())
+    fresh = [k for k in info.get("missing_keys", ()) if k in params]
+    unexpected = sorted(info.get("unexpected_keys", ()))
+    classifier = any(k.split(".")[0] in ("score", "classifier") for k in unexpected)
+    if not fresh and not classifier:
+        if unexpected:  # e.g. a multimodal checkpoint's other towers: not ours to refuse
+            log.warning(
+                "%s: %d saved tensors are not used by a %s (e.g. %s)",
+                path,
+                len(unexpected),
+                type(model).__name__,
+                unexpected[:3],
+            )
+        return
+    hint = " — a sequence classifier's folder (a reward model?); a policy is a causal LM's"
+    raise ModelLoadError(
+        f"{path}: weights do not match a {type(model).__name__} (missing {fresh[:5]}, "
+        f"unexpected {unexpected[:5]}){hint if classifier else ''}"
+    )
 
 
 def load_sequence_classifier(
