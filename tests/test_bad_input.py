@@ -145,3 +145,61 @@ def test_a_config_file_that_is_not_utf8_names_the_line(tmp_path):
     cfg.write_bytes(b"seed: 1\nppo:\n  lr: 1.0e-4  # caf\xe9\n")
     with pytest.raises(ConfigError, match=r"c\.yaml:3: not valid UTF-8"):
         load_config(cfg)
+
+
+def short_positions(folder, n: int = 16):
+    """The nano preset with a position table of ``n``: the built-in task's rows and the
+    default answers no longer fit (a GPT-2 or OPT checkpoint has a learned table of this
+    kind, and indexing past it fails deep inside the forward)."""
+    import shutil
+
+    from rlhflab.models.presets import preset_path
+
+    shutil.copytree(preset_path("nano"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": n}))
+    return folder
+
+
+def test_a_row_longer_than_the_models_positions_is_named_before_it_loads(
+    tmp_path, capsys, monkeypatch
+):
+    """sft, rm and dpo name the first row (file and line, or the built-in example) whose
+    prompt + answer + EOS exceed the model's positions; generate and eval the answer
+    length that would; all before any weight is loaded, exit status 2."""
+    folder = short_positions(tmp_path / "short", 12)
+    data = tmp_path / "long.jsonl"
+    fits = {"prompt": "a", "response": " b"}
+    data.write_text(json.dumps(fits) + "\n" + json.dumps({**fits, "response": " b" * 30}) + "\n")
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({**PAIR, "rejected": " dog" * 30}) + "\n")
+    (tmp_path / "p.jsonl").write_text('{"prompt": "hi"}\n')
+    out = ["device=cpu", f"log.output_dir={tmp_path / 'run'}", f"sft.output_dir={tmp_path / 's'}"]
+    policy = f"model.policy={folder}"
+
+    def no_model(*a, **k):
+        raise AssertionError("a model was loaded before the data was checked")
+
+    for loader in ("load_causal_lm", "load_sequence_classifier"):
+        monkeypatch.setattr(M, loader, no_model)
+    for args, said in (
+        (["sft", policy, f"sft.data={data}"], f"{data}:2: prompt + 'response' + EOS is"),
+        (["sft", policy], "the built-in task's SFT example "),
+        (["rm", policy, f"rm.data={pairs}"], f"{pairs}:1: prompt + 'rejected' + EOS is"),
+        (["dpo", policy], "the built-in task's pair"),
+        (["dpo", policy, f"dpo.data={pairs}"], f"{pairs}:1: prompt + 'rejected'"),
+    ):
+        assert main([*args, *out]) == 2, args
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert said in line and "over the 12 positions" in line, line
+    monkeypatch.undo()
+    for args in (
+        ["generate", "--model", str(folder), "--prompts", str(tmp_path / "p.jsonl")],
+        ["eval", "--model", str(folder), "--out", str(tmp_path / "e.json")],
+    ):
+        assert main(args) == 2, args
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert "rollout.max_new_tokens:" in line and "exceeds the model's 12 positions" in line
+    # what fits runs
+    gen = ["generate", "--model", str(folder), "--prompts", str(tmp_path / "p.jsonl")]
+    assert main([*gen, "--out", str(tmp_path / "a.jsonl"), "rollout.max_new_tokens=4"]) == 0

@@ -76,6 +76,7 @@ def rollouts(
 ) -> Iterator[Rollout]:
     """Answers to each prompt, ``n`` in a row, ``batch_size`` answers per sampling call."""
     r, device = cfg.rollout, next(src.lm.parameters()).device
+    _check_room(src, prompts, r.max_new_tokens)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
     asked = [p for p in prompts for _ in range(n)]
     starts = range(0, len(asked), batch_size)
@@ -92,6 +93,23 @@ def rollouts(
             device,
             ignore_eos=r.ignore_eos,
             sampler=r.sampler,
+        )
+
+
+def _check_room(src: PolicySource, prompts: list[str], max_new_tokens: int) -> None:
+    """The longest prompt and a whole answer must fit the model's positions (a learned
+    position table has no row beyond them: an IndexError deep in the forward otherwise)."""
+    limit = getattr(src.lm.config, "max_position_embeddings", None)
+    if not isinstance(limit, int) or not prompts:
+        return
+    tok = src.tokenizer
+    longest = max(len(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts)
+    if longest + max_new_tokens > limit:
+        raise ConfigError(
+            f"rollout.max_new_tokens: the longest prompt ({longest} tokens) + "
+            f"max_new_tokens ({max_new_tokens}) = {longest + max_new_tokens} exceeds the "
+            f"model's {limit} positions (max_position_embeddings); lower "
+            "rollout.max_new_tokens or shorten the prompts"
         )
 
 

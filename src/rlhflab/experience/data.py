@@ -155,16 +155,48 @@ class PreferencePair:
     rejected_ended: bool = True
 
 
-def load_preferences(source, tokenizer=None, split="train") -> list[PreferencePair]:
+def check_fits(tokenizer, limit: int | None, where: str, prompt: str, answers: dict) -> None:
+    """A training sequence — prompt, answer (each encoded on its own, as the trainers do)
+    and the EOS — must fit the model's ``limit`` positions (None: no limit known): the
+    first answer (name → text) that does not is a DataError naming ``where`` and the field."""
+    if limit is None:
+        return
+    n_prompt = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    for name, answer in answers.items():
+        n = n_prompt + len(tokenizer(answer, add_special_tokens=False)["input_ids"]) + 1
+        if n > limit:
+            raise DataError(
+                f"{where}: prompt + '{name}' + EOS is {n} tokens, over the {limit} positions "
+                "of the model (its config.json's max_position_embeddings): a shorter row "
+                "or a model with more positions"
+            )
+
+
+def check_pairs_fit(tokenizer, limit: int | None, pairs: list, what: str) -> None:
+    """:func:`check_fits` over pairs made in code (the built-in task's), named ``what``
+    and their number."""
+    for i, p in enumerate(pairs):
+        answers = {"chosen": p.chosen, "rejected": p.rejected}
+        check_fits(tokenizer, limit, f"{what} {i + 1}", p.prompt, answers)
+
+
+def load_preferences(
+    source, tokenizer=None, split="train", max_tokens: int | None = None
+) -> list[PreferencePair]:
     """Preference pairs: ``prompt``, ``chosen`` and ``rejected`` as strings or chat messages
     (rendered with ``tokenizer``'s chat template), and optional ``labels``: attribute → 1
-    if chosen is better, 0 if worse, 0.5 for a tie. ``split``: a DatasetDict's part."""
+    if chosen is better, 0 if worse, 0.5 for a tie. ``split``: a DatasetDict's part.
+    ``max_tokens``: the model's positions, which prompt + answer + EOS must fit
+    (:func:`check_fits`; None: unchecked)."""
     pairs = []
     rows = open_rows(source, split)
     for n, row in rows:
         if isinstance(row, DataError):
             raise row
-        pairs.append(preference_pair(row, tokenizer, rows.where(n)))
+        pair = preference_pair(row, tokenizer, rows.where(n))
+        answers = {"chosen": pair.chosen, "rejected": pair.rejected}
+        check_fits(tokenizer, max_tokens, rows.where(n), pair.prompt, answers)
+        pairs.append(pair)
     if not pairs:
         raise DataError(f"{rows.name}: no preference pairs")
     return pairs

@@ -82,6 +82,24 @@ def resolve_path(spec: str, field: str = "model") -> Path:
     return path
 
 
+# config.json's names for the longest sequence a model's positions cover (GPT-2: n_positions)
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+
+def position_limit(spec: str, field: str = "model") -> int | None:
+    """The number of positions a model folder (or ``preset:NAME``) declares in its
+    config.json, or None where it names none. Read before any weight is loaded, so a data
+    row too long for the model is named before the model loads; a learned position table
+    (GPT-2, OPT) has no row beyond it, and a rotary model was not trained beyond it."""
+    settings = json.loads((resolve_path(spec, field) / "config.json").read_text())
+    for where in (settings, settings.get("text_config") or {}):
+        for key in POSITION_KEYS:
+            value = where.get(key) if isinstance(where, dict) else None
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
 RUNTIMES = ("transformers", "native")
 
 

@@ -26,7 +26,7 @@ from rlhflab.config.base import to_dict
 from rlhflab.config.stages import STAGE_DEFAULTS
 from rlhflab.core import algorithms as A
 from rlhflab.core import losses as L
-from rlhflab.experience.data import load_preferences
+from rlhflab.experience.data import check_pairs_fit, load_preferences
 from rlhflab.infra import checkpoint as C
 from rlhflab.infra.distributed import resolve_device
 from rlhflab.models.build import finish_models, load_model, load_tokenizer_for, to_trained
@@ -74,7 +74,12 @@ class DPOTrainer:
         mc = cfg.model
         self.tokenizer = load_tokenizer_for(mc.policy, mc)  # renders chat rows
         # the data is read before the model is loaded: a bad row is reported in seconds
-        pairs = load_preferences(d.data, self.tokenizer, cfg.data.split) if d.data else None
+        limit = M.position_limit(mc.policy, "model.policy")
+        if d.data:
+            pairs = load_preferences(d.data, self.tokenizer, cfg.data.split, limit)
+        else:
+            pairs = builtin_pairs(_with_pairs(cfg, d.pairs))
+            check_pairs_fit(self.tokenizer, limit, pairs, "the built-in task's pair")
         lm = load_model(mc.policy, self.tokenizer, mc)
         if mc.lora_r:
             lm = M.apply_lora(lm, mc.lora_r, mc.lora_alpha, mc.lora_targets, seed=cfg.seed)
@@ -83,8 +88,6 @@ class DPOTrainer:
         )
         finish_models(mc, self.device, trained=(lm,), frozen=(self.reference,))
         self.policy = to_trained(lm, self.device, "the DPO policy")
-        if pairs is None:
-            pairs = builtin_pairs(_with_pairs(cfg, d.pairs))
         self.prompts = [p.prompt for p in pairs]
         self.chosen = [p.chosen for p in pairs]
         self.rejected = [p.rejected for p in pairs]

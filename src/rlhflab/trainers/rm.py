@@ -19,13 +19,20 @@ from types import SimpleNamespace
 
 import torch
 
+from rlhflab import models as M
 from rlhflab.builtin import tasks
 from rlhflab.config import Config, ConfigError
 from rlhflab.core import guards as G
 from rlhflab.core import losses as L
 from rlhflab.diagnostics.rm_checks import gold_warning, length_warning, reward_checks
 from rlhflab.experience.cast import load_frozen_reward_model, load_reward_tokenizer
-from rlhflab.experience.data import DataError, PreferencePair, load_preferences, source_name
+from rlhflab.experience.data import (
+    DataError,
+    PreferencePair,
+    check_pairs_fit,
+    load_preferences,
+    source_name,
+)
 from rlhflab.experience.rewards import (
     LENGTH_HEAD,
     FunctionReward,
@@ -37,6 +44,12 @@ from rlhflab.experience.rewards import (
 from rlhflab.infra.distributed import resolve_device
 from rlhflab.infra.files import write_text_atomic
 from rlhflab.models.build import finish_models, load_model, load_tokenizer_for, to_trained
+from rlhflab.trainers.rm_odin import (  # noqa: F401  (ODIN_EXEMPT, trained_odin: imported from here)
+    ODIN_EXEMPT,
+    length_exempt_names,
+    odin_settings,
+    trained_odin,
+)
 from rlhflab.trainers.supervised import SupervisedTrainer
 
 log = logging.getLogger(__name__)
@@ -240,11 +253,15 @@ def check_reward_model(cfg: Config) -> dict:
     device = resolve_device(cfg.device)
     tokenizer = load_reward_tokenizer(cfg)  # renders chat rows
     data, split = cfg.rm.data, cfg.data.split
-    pairs = load_preferences(data, tokenizer, split) if data else None
+    limit = M.position_limit(cfg.reward.model, "reward.model")
+    pairs = load_preferences(data, tokenizer, split, limit) if data else None
     # frozen: in model.reward_precision, as PPO will score with it; a causal LM is refused
     model, tokenizer = load_frozen_reward_model(cfg, device, tokenizer)
     heads = [model.config.id2label[i] for i in range(model.config.num_labels)]
-    held, _ = split_pairs(pairs if pairs is not None else builtin_pairs(cfg), cfg)
+    if pairs is None:
+        pairs = builtin_pairs(cfg)
+        check_pairs_fit(tokenizer, limit, pairs, "the built-in task's pair")
+    held, _ = split_pairs(pairs, cfg)
     where = source_name(data, split) if data else "the built-in pairs"
     targets = head_targets(held, heads, where, strict=False)
     checks = check_heldout(model, tokenizer, held, targets, heads, cfg, device)
@@ -288,38 +305,6 @@ def train_rm(cfg: Config, resume: bool = False) -> dict:
     return {**members[0], "members": members, "ensemble": [m["output_dir"] for m in members]}
 
 
-ODIN_EXEMPT = "odin_exempt"  # the model config's record of the heads ODIN left alone
-
-
-def length_exempt_names(r, heads: list[str]) -> list[str]:
-    """rm.length_exempt resolved for a model with heads ``heads``: None is the built-in
-    task's 'brevity' head where there is one; a named head the model lacks is an error."""
-    names = [h for h in ("brevity",) if h in heads] if r.length_exempt is None else r.length_exempt
-    for h in names:
-        if h not in heads or h == LENGTH_HEAD:
-            quality = [x for x in heads if x != LENGTH_HEAD]
-            raise ConfigError(f"rm.length_exempt: {h!r} is not one of the heads {quality}")
-    return list(names)
-
-
-def odin_settings(r, heads: list[str], exempt: list[str]) -> tuple:
-    """:func:`pair_loss`'s ``odin`` for a reward model with heads ``heads`` (the length head
-    among them) and ODIN-exempt heads ``exempt``, with the rm settings ``r``' loss weights."""
-    idx = [heads.index(h) for h in exempt]
-    return heads.index(LENGTH_HEAD), r.length_loss_weight, r.orthogonal_weight, idx
-
-
-def trained_odin(model_config, heads: list[str], r) -> tuple | None:
-    """The ``odin`` a refresh fine-tunes a trained reward model with: as `rlhflab rm` trained
-    it, read from its config (``odin_exempt``, written since rm.length_exempt exists; a
-    model with a length head but without that record was trained with none exempt). None
-    without a length head."""
-    if LENGTH_HEAD not in heads:
-        return None
-    exempt = [h for h in getattr(model_config, ODIN_EXEMPT, None) or [] if h in heads]
-    return odin_settings(r, heads, exempt)
-
-
 def rm_trainer(cfg: Config) -> SupervisedTrainer:
     """The reward-model run of ``cfg``; the held-out pairs ride along as ``trainer.heldout``
     for :func:`run_rm`."""
@@ -335,7 +320,8 @@ def rm_trainer(cfg: Config) -> SupervisedTrainer:
     init = r.init or cfg.model.policy
     tokenizer = load_tokenizer_for(init, cfg.model, "rm.init")  # renders chat rows
     # the data is read before the model is loaded: a bad row is reported in seconds
-    pairs = load_preferences(r.data, tokenizer, cfg.data.split) if r.data else None
+    limit = M.position_limit(init, "rm.init")
+    pairs = load_preferences(r.data, tokenizer, cfg.data.split, limit) if r.data else None
     # a causal LM (the SFT model) legitimately starts here with a fresh head; fp32 whatever
     # the folder's dtype: these are the trained weights
     model = load_model(
@@ -349,6 +335,7 @@ def rm_trainer(cfg: Config) -> SupervisedTrainer:
         setattr(model.config, ODIN_EXEMPT, exempt)
     if pairs is None:
         pairs = builtin_pairs(cfg)
+        check_pairs_fit(tokenizer, limit, pairs, "the built-in task's pair")
     where = source_name(r.data, cfg.data.split) if r.data else "the built-in pairs"
     held, train = split_pairs(pairs, cfg)
     if not train:

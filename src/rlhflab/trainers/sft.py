@@ -15,7 +15,7 @@ from rlhflab import models as M
 from rlhflab.builtin import tasks
 from rlhflab.config import Config
 from rlhflab.core import algorithms as A
-from rlhflab.experience.data import DataError, open_rows, sft_pair
+from rlhflab.experience.data import DataError, check_fits, open_rows, sft_pair
 from rlhflab.infra.distributed import resolve_device
 from rlhflab.models.build import finish_models, load_model, load_tokenizer_for, to_trained
 from rlhflab.trainers.supervised import SupervisedTrainer
@@ -31,16 +31,21 @@ def builtin_sft_pairs(n: int, seed: int) -> list[tuple[str, str]]:
     ]
 
 
-def load_sft_pairs(source, tokenizer=None, split="train") -> list[tuple[str, str]]:
+def load_sft_pairs(
+    source, tokenizer=None, split="train", max_tokens: int | None = None
+) -> list[tuple[str, str]]:
     """(prompt, response) pairs of a data file, dataset folder, Dataset or list of dicts:
     strings as they are, chat messages rendered with ``tokenizer``'s chat template
-    (:func:`rlhflab.experience.data.sft_pair`). ``split``: a DatasetDict's part."""
+    (:func:`rlhflab.experience.data.sft_pair`). ``split``: a DatasetDict's part.
+    ``max_tokens``: the model's positions, which prompt + response + EOS must fit."""
     rows = open_rows(source, split)
     pairs = []
     for n, row in rows:
         if isinstance(row, DataError):
             raise row
-        pairs.append(sft_pair(row, tokenizer, rows.where(n)))
+        prompt, response = sft_pair(row, tokenizer, rows.where(n))
+        check_fits(tokenizer, max_tokens, rows.where(n), prompt, {"response": response})
+        pairs.append((prompt, response))
     if not pairs:
         raise DataError(f"{rows.name}: no SFT rows")
     return pairs
@@ -81,12 +86,17 @@ def sft_trainer(cfg: Config) -> SupervisedTrainer:
     torch.manual_seed(cfg.seed)
     device = resolve_device(cfg.device)
     tokenizer = load_tokenizer_for(cfg.model.policy, cfg.model)  # renders chat rows
-    pairs = load_sft_pairs(s.data, tokenizer, cfg.data.split) if s.data else None
+    limit = M.position_limit(cfg.model.policy, "model.policy")
+    if s.data:
+        pairs = load_sft_pairs(s.data, tokenizer, cfg.data.split, limit)
+    else:
+        pairs = builtin_sft_pairs(s.examples, cfg.seed)
+        for i, (prompt, response) in enumerate(pairs):
+            where = f"the built-in task's SFT example {i + 1}"
+            check_fits(tokenizer, limit, where, prompt, {"response": response})
     model = load_model(cfg.model.policy, tokenizer, cfg.model)
     finish_models(cfg.model, device, trained=(model,))
     model = to_trained(model, device, "the SFT policy")
-    if pairs is None:
-        pairs = builtin_sft_pairs(s.examples, cfg.seed)
 
     def batch_loss(idx: list[int]) -> torch.Tensor:
         return response_nll(model, tokenizer, [pairs[i] for i in idx], device)
