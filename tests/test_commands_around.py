@@ -138,6 +138,11 @@ def test_export_refuses_a_folder_that_is_not_empty(runs, tmp_path, capsys):
     assert "trained full weights (model.lora_r is 0); there is no adapter" in error_line(capsys)
     assert main(["export", str(runs["full"]), str(out), "--force"]) == 0
     assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+    # --force never replaces the run it exports (or a folder holding it)
+    for kept in (runs["full"], runs["full"].parent):
+        assert main(["export", str(runs["full"]), str(kept), "--force"]) == 2
+        assert "would delete" in error_line(capsys)
+    assert (runs["full"] / "config.yaml").is_file()
 
 
 def read_rows(path):

@@ -18,6 +18,7 @@ import rlhflab
 from rlhflab.app import inputs as I
 from rlhflab.app.api import resolve_config
 from rlhflab.config import ConfigError, load_config
+from rlhflab.models.export import ExportError
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = {
@@ -81,6 +82,10 @@ def test_ppo_from_python_with_a_model_object_a_lambda_and_a_prompt_list(tmp_path
 
     argv = ["ppo", "--config", str(tmp_path / "run/config.yaml"), "--resume"]
     assert main(argv) == 2
+    for kept in (tmp_path / "run", tmp_path):  # never over the run, forced or not
+        with pytest.raises(ExportError, match="would delete"):
+            trainer.save(kept, force=True)
+    assert (tmp_path / "run" / "config.yaml").is_file()
     out = trainer.save(tmp_path / "policy")
     from transformers import AutoModelForCausalLM
 
@@ -245,6 +250,14 @@ def test_bad_arguments_are_refused_with_their_name(tmp_path):
         rlhflab.PPOTrainer("preset:nano", reward=short, prompts=[3], output_dir=tmp_path)
     with pytest.raises(ConfigError, match="prompts: no rows"):
         rlhflab.PPOTrainer("preset:nano", reward=short, prompts=[], output_dir=tmp_path)
+    with pytest.raises(ConfigError, match="reward: the weight of short must be a number"):
+        rlhflab.PPOTrainer("preset:nano", reward={short: "x"}, output_dir=tmp_path)
+    with pytest.raises(ConfigError, match=r"callbacks: a list of callables, got function"):
+        rlhflab.PPOTrainer("preset:nano", reward=short, callbacks=short, output_dir=tmp_path)
+    with pytest.raises(ConfigError, match=r"callbacks\[1\]: 1 is not callable"):
+        rlhflab.PPOTrainer("preset:nano", reward=short, callbacks=[short, 1], output_dir=tmp_path)
+    with pytest.raises(ConfigError, match="overrides: a dict .* got the string 'ppo.lr=1'"):
+        rlhflab.PPOTrainer("preset:nano", reward=short, overrides="ppo.lr=1", output_dir=tmp_path)
 
 
 def test_importable_spec_names_only_what_imports_back():

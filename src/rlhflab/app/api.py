@@ -50,6 +50,27 @@ def resolve_config(config, overrides, stage: str) -> Config:
     return load_config(path, overrides, base, stage=stage, reward_given=True)
 
 
+def _callbacks(callbacks) -> list:
+    """``callbacks`` as a list of callables, or a ConfigError naming what is not one (now,
+    not after the first iteration)."""
+    if callbacks is None:
+        return []
+    if callable(callbacks) or isinstance(callbacks, (str, bytes)):
+        raise ConfigError(
+            f"callbacks: a list of callables, got {type(callbacks).__name__} (write callbacks=[fn])"
+        )
+    try:
+        out = list(callbacks)
+    except TypeError:
+        raise ConfigError(
+            f"callbacks: a list of callables, got {type(callbacks).__name__}"
+        ) from None
+    for i, cb in enumerate(out):
+        if not callable(cb):
+            raise ConfigError(f"callbacks[{i}]: {cb!r} is not callable")
+    return out
+
+
 class Trainer:
     """What every trainer class shares: the config, the engine, callbacks, train and save."""
 
@@ -59,9 +80,18 @@ class Trainer:
         # resume: continue the run in the output folder; its inputs/ are kept as the run's
         # first start wrote them (models are loaded here, before train() is called)
         self.resume = resume
+        if isinstance(overrides, str):
+            raise ConfigError(
+                f"overrides: a dict of dotted keys or a list of 'key=value' strings, got the "
+                f"string {overrides!r} (write [{overrides!r}])"
+            )
         self.config = resolve_config(config, overrides, self.stage)
-        self.callbacks: list[Callback] = list(callbacks or [])
+        self.callbacks: list[Callback] = _callbacks(callbacks)
         self.engine = None
+
+    def _protected(self) -> tuple:
+        """What :meth:`save` must never replace: the run, and the model it started from."""
+        return (self.config.log.output_dir, self.config.model.policy)
 
     def _hooks(self) -> list:
         def wrap(cb):
@@ -115,7 +145,10 @@ class Trainer:
         is not empty unless ``force``."""
         from rlhflab.models.export import save_policy
 
-        return save_policy(self.model, self.tokenizer, out_dir, merge_lora=merge_lora, force=force)
+        kept = self._protected()  # never over the run itself or the model it started from
+        return save_policy(
+            self.model, self.tokenizer, out_dir, merge_lora=merge_lora, force=force, protect=kept
+        )
 
 
 class PPOTrainer(Trainer):
@@ -256,6 +289,10 @@ class _ModelOut(Trainer):
     @property
     def model(self):
         return self.engine.model
+
+    def _protected(self) -> tuple:
+        section = getattr(self.config, self.stage)
+        return (Path(section.output_dir) / "run", self.config.model.policy)
 
 
 class SFTTrainer(_ModelOut):

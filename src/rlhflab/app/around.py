@@ -104,7 +104,7 @@ def run_export(args) -> dict:
     if not is_run_dir(run):
         model = " (it is a model folder already)" if (run / "config.json").is_file() else ""
         raise ModelLoadError(f"{run}: not a run directory (no {RUN_CONFIG}){model}")
-    check_out_dir(out, args.force)  # before loading anything
+    check_out_dir(out, args.force, protect=(run,))  # before loading anything
     src = find_policy(str(run), checkpoint=args.checkpoint)
     if args.adapter and not src.is_lora:
         raise ConfigError(
@@ -112,7 +112,13 @@ def run_export(args) -> dict:
         )
     lm = src.load("cpu")
     save_policy(
-        lm, src.tokenizer, out, merge_lora=not args.adapter, dtype=args.dtype, force=args.force
+        lm,
+        src.tokenizer,
+        out,
+        merge_lora=not args.adapter,
+        dtype=args.dtype,
+        force=args.force,
+        protect=(run, src.base),  # the run, and a LoRA run's base model
     )
     model = lm.get_base_model() if src.is_lora else lm
     return {

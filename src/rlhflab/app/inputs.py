@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -191,7 +192,17 @@ class Rewards:
 
 def _as_weighted(reward) -> list[tuple[object, float]]:
     if isinstance(reward, Mapping):
-        return [(item, float(w)) for item, w in reward.items()]
+        out = []
+        for item, w in reward.items():
+            name = getattr(item, "__name__", repr(item))
+            try:
+                weight = float(w) if not isinstance(w, (str, bytes, bool)) else math.nan
+            except (TypeError, ValueError):
+                weight = math.nan
+            if not math.isfinite(weight):
+                raise ConfigError(f"reward: the weight of {name} must be a number, got {w!r}")
+            out.append((item, weight))
+        return out
     if isinstance(reward, (list, tuple)):
         return [(item, 1.0) for item in reward]
     return [(reward, 1.0)]

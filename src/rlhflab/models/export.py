@@ -33,8 +33,22 @@ class ExportError(ModelLoadError):
     """A policy that cannot be saved as asked, or an output folder that cannot be written."""
 
 
-def check_out_dir(out: Path, force: bool, error: type[Exception] = ExportError) -> None:
-    """Refuse an ``out`` that is a file, or a folder with something in it (unless ``force``)."""
+def check_out_dir(
+    out: Path, force: bool, error: type[Exception] = ExportError, protect: tuple = ()
+) -> None:
+    """Refuse an ``out`` that is a file, or a folder with something in it (unless ``force``);
+    and, ``force`` or not, one that is or holds a folder of ``protect`` (the run or model
+    the export is made from: replacing ``out`` would delete it)."""
+    here = Path(out).expanduser().resolve()
+    for kept in protect:
+        if kept is None or str(kept).startswith("preset:"):
+            continue
+        kept_path = Path(kept).expanduser().resolve()
+        if kept_path == here or here in kept_path.parents:
+            raise error(
+                f"{out}: replacing it would delete {kept}, which this export is made from; "
+                "choose another folder"
+            )
     if out.exists() and not out.is_dir():
         raise error(f"{out}: exists and is not a folder")
     if out.is_dir() and any(out.iterdir()) and not force:
@@ -162,9 +176,11 @@ def save_policy(
     merge_lora: bool = True,
     dtype: str | torch.dtype | None = None,
     force: bool = False,
+    protect: tuple = (),
 ) -> Path:
     """Write ``lm`` (a causal LM, maybe LoRA-wrapped, or a policy with a shared value head)
-    and ``tokenizer`` to ``out_dir``; returns the folder.
+    and ``tokenizer`` to ``out_dir``; returns the folder. ``protect``: folders ``out_dir``
+    must neither be nor hold (the run and base model it comes from), ``force`` or not.
 
     ``merge_lora``: a LoRA policy is saved merged into its base (a plain model folder); with
     False, as its adapter alone (a PEFT folder for the base its ``adapter_config.json``
@@ -173,7 +189,7 @@ def save_policy(
     unless ``force``; it is replaced only once the new folder is whole. The model is not
     changed (nor moved off its device)."""
     out, dtype = Path(out_dir).expanduser(), _dtype(dtype)
-    check_out_dir(out, force)
+    check_out_dir(out, force, protect=protect)
     lm = unwrap_policy(lm)
     with building_folder(out) as tmp:
         if is_peft(lm) and not merge_lora:
