@@ -203,3 +203,34 @@ def test_a_row_longer_than_the_models_positions_is_named_before_it_loads(
     # what fits runs
     gen = ["generate", "--model", str(folder), "--prompts", str(tmp_path / "p.jsonl")]
     assert main([*gen, "--out", str(tmp_path / "a.jsonl"), "rollout.max_new_tokens=4"]) == 0
+
+
+@pytest.mark.parametrize(
+    "name,text,said",
+    [
+        ("extra.csv", "prompt,response\nSay hi, politely,Hello\n", ":2: 3 fields where the header has 2"),
+        ("twice.csv", "prompt,response,prompt\na,b,c\n", ":1: column 'prompt' appears twice"),
+        ("twice.jsonl", '{"prompt": "a", "response": "b", "response": "c"}\n', ":1: field 'response' appears twice"),
+        ("array.json", '[\n {"prompt": "a", "response": "b"}\n]\n', ": a JSON array over several lines"),
+    ],
+)  # fmt: skip
+def test_rows_that_would_lose_or_pick_data_silently_are_named(tmp_path, name, text, said):
+    """An unquoted comma (the csv module files the extra field under no column and the row
+    loses it), a column or key given twice (the last one would win) and a pretty-printed
+    JSON array are errors naming the file and line, not rows read short."""
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(DataError) as err:
+        load_sft_pairs(path)
+    assert str(err.value).startswith(f"{path}{said}"), err.value
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_column(tmp_path):
+    """Spreadsheets' "CSV UTF-8" and some editors start the file with U+FEFF."""
+    for name, text in (
+        ("bom.csv", "prompt,response\na, b\n"),
+        ("bom.jsonl", '{"prompt": "a", "response": " b"}\n'),
+    ):
+        path = tmp_path / name
+        path.write_bytes(b"\xef\xbb\xbf" + text.encode())
+        assert load_sft_pairs(path) == [("a", " b")], name

@@ -156,22 +156,47 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict | DataError]]:
             except UnicodeDecodeError as exc:
                 yield n, _utf8_error(path, n, exc)
                 continue
+            if n == 1:
+                line = line.removeprefix("\ufeff")  # a byte-order mark, as some editors write
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = json.loads(line, object_pairs_hook=_refuse_repeated_keys)
             except json.JSONDecodeError as exc:
+                if n == 1 and line.lstrip().startswith("["):  # a pretty-printed .json array
+                    raise DataError(
+                        f"{path}: a JSON array over several lines; rlhflab reads "
+                        f"{path.suffix} files as JSON Lines, one object per line"
+                    ) from None
                 yield n, DataError(f"{path}:{n}: not valid JSON ({exc.msg})")
+                continue
+            except _RepeatedKey as exc:
+                yield n, DataError(f"{path}:{n}: field '{exc}' appears twice; keep one")
                 continue
             if not isinstance(row, dict):
                 row = DataError(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
             yield n, row
 
 
-def _csv_rows(path: Path) -> Iterator[tuple[int, dict]]:
+class _RepeatedKey(Exception):
+    """A JSON object with a key twice (json.loads would keep the last, silently)."""
+
+
+def _refuse_repeated_keys(pairs: list) -> dict:
+    seen = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _RepeatedKey(key)
+        seen[key] = value
+    return seen
+
+
+def _csv_rows(path: Path) -> Iterator[tuple[int, dict | DataError]]:
     raw = path.read_bytes()
     try:
-        text = raw.decode("utf-8")
+        # utf-8-sig: the byte-order mark spreadsheet programs write ("CSV UTF-8") is not
+        # part of the first column's name
+        text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         start = raw.rfind(b"\n", 0, exc.start) + 1
         raise _utf8_error(path, raw.count(b"\n", 0, exc.start) + 1, exc, start) from None
@@ -185,7 +210,20 @@ def _csv_rows(path: Path) -> Iterator[tuple[int, dict]]:
         )
     reader = csv.DictReader(io.StringIO(text, newline=""))
     try:
+        header = reader.fieldnames or []
+        repeated = sorted({c for c in header if header.count(c) > 1})
+        if repeated:
+            raise DataError(f"{path}:1: column '{repeated[0]}' appears twice in the header")
         for row in reader:
+            if None in row:  # more fields than the header names: csv.DictReader's restkey
+                yield (
+                    reader.line_num,
+                    DataError(
+                        f"{path}:{reader.line_num}: {len(header) + len(row[None])} fields where the "
+                        f"header has {len(header)} (a comma inside a field must be quoted)"
+                    ),
+                )
+                continue
             yield reader.line_num, row
     except csv.Error as exc:  # e.g. a NUL byte, a field over the size limit
         raise DataError(f"{path}:{reader.line_num}: not valid CSV ({exc})") from None
