@@ -234,3 +234,18 @@ def test_a_byte_order_mark_is_not_part_of_the_first_column(tmp_path):
         path = tmp_path / name
         path.write_bytes(b"\xef\xbb\xbf" + text.encode())
         assert load_sft_pairs(path) == [("a", " b")], name
+
+
+def test_an_output_folder_that_is_a_file_and_contradictory_dpo_settings_are_one_line(
+    tmp_path, capsys
+):
+    taken = tmp_path / "taken"
+    taken.write_text("not a folder")
+    for args, said in (
+        (["ppo", f"log.output_dir={taken}"], f"log.output_dir: {taken} exists and is not a folder"),
+        (["sft", f"sft.output_dir={taken}"], f"sft.output_dir: {taken} exists and is not a folder"),
+        (["dpo", "dpo.loss_type=ipo", "dpo.label_smoothing=0.1"], "dpo.label_smoothing: applies"),
+    ):
+        assert main([*args, "model.policy=preset:nano", "device=cpu"]) == 2, args
+        assert said in capsys.readouterr().err.strip().splitlines()[-1]
+    assert taken.read_text() == "not a folder"

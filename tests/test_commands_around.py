@@ -65,6 +65,22 @@ def error_line(capsys) -> str:
     return err.strip().splitlines()[-1]
 
 
+def test_saved_weights_are_as_readable_as_every_other_file(runs, tmp_path):
+    """safetensors creates its files owner-only (0600): exports, checkpoints and the
+    folders sft/rm write get the mode the umask gives every other file."""
+    import os
+    import stat
+
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert main(["export", str(runs["full"]), str(tmp_path / "out")]) == 0
+    weights = [tmp_path / "out" / "model.safetensors"]
+    weights += list((runs["full"] / "checkpoints").rglob("*.safetensors"))
+    assert len(weights) > 2
+    for f in weights:
+        assert stat.S_IMODE(f.stat().st_mode) == 0o666 & ~umask, f
+
+
 def test_export_full_run_is_the_checkpoints_policy(runs, tmp_path, capsys):
     out = tmp_path / "full"
     assert main(["export", str(runs["full"]), str(out)]) == 0

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from rlhflab.config import Config, ConfigError
 from rlhflab.experience.rewards import CallableReward, importable_spec
-from rlhflab.infra.files import write_text_atomic
+from rlhflab.infra.files import share_like_umask, write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,7 @@ def _atomic_dir(final: Path, write: Callable[[Path], None]) -> None:
     tmp.mkdir(parents=True)
     try:
         write(tmp)
+        share_like_umask(tmp)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
     finally:

@@ -108,6 +108,15 @@ def validate(cfg: Config, stage: str = "ppo", reward_given: bool = False) -> Con
             "model the next stage starts from); LoRA applies to ppo, grpo, rloo and dpo"
         )
     _check_compute_dtype(cfg, stage)
+    if stage == "dpo" and cfg.dpo.loss_type == "ipo" and cfg.dpo.label_smoothing:
+        raise ConfigError(
+            "dpo.label_smoothing: applies to the sigmoid loss only (conservative DPO); "
+            "dpo.loss_type is 'ipo'"
+        )
+    for sec, name in (("log", "output_dir"), (stage, "output_dir")):
+        folder = getattr(getattr(cfg, sec, None), name, None)
+        if isinstance(folder, str) and os.path.exists(folder) and not os.path.isdir(folder):
+            raise ConfigError(f"{sec}.{name}: {folder} exists and is not a folder")
     if stage in ("sft", "rm", "dpo"):
         return cfg
     mon = cfg.monitor

@@ -29,6 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rlhflab.backends.native_models import iter_safetensors
+from rlhflab.infra.files import share_like_umask
 from rlhflab.models import PolicyWithValueHead
 
 log = logging.getLogger(__name__)
@@ -100,6 +101,7 @@ def save_checkpoint(
     # a run that never wrote one (a shared backbone has no critic/, for instance)
     files = sorted(str(f.relative_to(tmp)) for f in tmp.rglob("*") if f.is_file())
     (tmp / MANIFEST).write_text(json.dumps(files))
+    share_like_umask(tmp)
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)

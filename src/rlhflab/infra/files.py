@@ -27,3 +27,25 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+_UMASK: int | None = None
+
+
+def _umask() -> int:
+    global _UMASK
+    if _UMASK is None:  # os.umask can only be read by setting it: once, and set back
+        _UMASK = os.umask(0o022)
+        os.umask(_UMASK)
+    return _UMASK
+
+
+def share_like_umask(folder: str | Path) -> None:
+    """Give every file under ``folder`` the mode the process's umask gives new files
+    (usually 0644). safetensors creates its files owner-only (0600), so a model saved on a
+    shared machine would be unreadable by the teammates every other file is readable by.
+    Called on a finished folder before it is put in place."""
+    mode = 0o666 & ~_umask()
+    for f in Path(folder).rglob("*"):
+        if f.is_file() and not f.is_symlink():
+            os.chmod(f, mode)

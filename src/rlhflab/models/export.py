@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from rlhflab.infra.files import share_like_umask
 from rlhflab.models.heads import PolicyWithValueHead
 from rlhflab.models.prepare import ModelLoadError, first_line
 
@@ -77,6 +78,7 @@ def building_folder(out: Path, error: type[Exception] = ExportError) -> Iterator
     try:
         tmp.mkdir(parents=True)
         yield tmp
+        share_like_umask(tmp)  # safetensors writes owner-only files
         replace_folder(tmp, out)
     except OSError as exc:
         raise error(f"{out}: cannot be written ({first_line(exc)})") from None

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections import Counter
 from pathlib import Path
 
@@ -186,9 +185,8 @@ def _write_weights(model, folder: Path, dtype: torch.dtype) -> int:
         state.pop("lm_head.weight", None)
     state = {k: v.detach().to(dtype).contiguous() for k, v in state.items()}
     weights = folder / "model.safetensors"
-    save_file(state, str(weights), metadata={"format": "pt"})
-    # safetensors creates the file owner-only; give it the umask's mode, as the other files
-    os.chmod(weights, (folder / "config.json").stat().st_mode & 0o777)
+    save_file(state, str(weights), metadata={"format": "pt"})  # made readable by
+    # building_folder's share_like_umask, as every other file of the folder
     return sum(t.numel() for t in state.values())
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from rlhflab.builtin import tasks
+from rlhflab.infra.files import share_like_umask
 from rlhflab.models.prepare import quiet_transformers
 
 # name → LlamaConfig fields. Parameter counts (tied embeddings, the ~440-token vocabulary
@@ -185,6 +186,7 @@ def preset_path(name: str, seed: int = 0) -> Path:
         return final
     tmp = final.with_name(final.name + f".tmp{os.getpid()}")
     build_preset(name, tmp, seed=seed)
+    share_like_umask(tmp)
     if final.exists() and not _complete(final):
         # an incomplete folder left by an older rlhflab under torchrun (see _write_model):
         # moved aside, so that a complete one takes its place

@@ -19,6 +19,7 @@ from rlhflab.builtin import tasks
 from rlhflab.config import Config
 from rlhflab.experience.data import PromptStream, load_prompts
 from rlhflab.infra import checkpoint as C
+from rlhflab.infra.files import share_like_umask
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,7 @@ def keep_last_good(model, tokenizer, out: Path) -> Callable[[], str]:
         shutil.rmtree(tmp, ignore_errors=True)
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        share_like_umask(tmp)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
         return f"The weights before that step (the last good state) are in {final}."

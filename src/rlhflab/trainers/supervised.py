@@ -24,6 +24,7 @@ from rlhflab.backends.loss_scale import LossScaler
 from rlhflab.config import Config
 from rlhflab.config.base import to_dict
 from rlhflab.infra import checkpoint as C
+from rlhflab.infra.files import share_like_umask
 from rlhflab.trainers.common import (
     Halt,
     build_optimizer_simple,
@@ -131,6 +132,7 @@ class SupervisedTrainer:
         self.out.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(self.out, safe_serialization=True)
         self.tokenizer.save_pretrained(self.out)
+        share_like_umask(self.out)  # safetensors writes owner-only files
         done.seconds = time.perf_counter() - start
         return done
 
