@@ -249,3 +249,41 @@ def test_an_output_folder_that_is_a_file_and_contradictory_dpo_settings_are_one_
         assert main([*args, "model.policy=preset:nano", "device=cpu"]) == 2, args
         assert said in capsys.readouterr().err.strip().splitlines()[-1]
     assert taken.read_text() == "not a folder"
+
+
+def test_overrides_outputs_and_weights_that_were_tracebacks_or_silent_are_one_line(
+    tmp_path, capsys
+):
+    """An override that is not YAML (a shell that split an unquoted `{a: 1}`), an override
+    into a section a config file left empty, generate/eval writing into a folder or over
+    their own prompts, and a negative reward-model loss weight."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    (tmp_path / "adir").mkdir()
+    gen = ["generate", "--model", "preset:nano", "--prompts", str(prompts)]
+    for args, said in (
+        (["memory", "ppo.lr=[1"], "override 'ppo.lr=[1': the value is not valid YAML"),
+        ([*gen, "--out", str(tmp_path / "adir")], "a folder; name the file to write"),
+        ([*gen, "--out", str(prompts)], "the prompt file itself"),
+        (["eval", "--model", "preset:nano", "--out", str(tmp_path / "adir")], "a folder"),
+        (["rm", "rm.heads={preference: -1}"], "rm.heads: the loss weight of 'preference' is -1"),
+    ):
+        assert main(args) == 2, args
+        assert said in capsys.readouterr().err.strip().splitlines()[-1], args
+    assert prompts.read_text() == '{"prompt": "hi"}\n'
+    config = tmp_path / "c.yaml"
+    config.write_text("ppo:\n  # iterations: 3\n")
+    cfg = load_config(config, overrides=["ppo.iterations=1"], stage="sft")
+    assert cfg.ppo.iterations == 1
+
+
+def test_ctrl_c_ends_the_command_with_one_line_and_status_130(monkeypatch, capsys):
+    from rlhflab.app import cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(cli.COMMANDS, "memory", interrupted)
+    assert main(["memory"]) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().startswith("interrupted: rlhflab memory")

@@ -164,3 +164,20 @@ def test_a_result_file_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
         build_report(run)
     assert (run / "report.html").read_text(encoding="utf-8") == before
     assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl", "report.html"]
+
+
+def test_a_fresh_start_in_a_run_folder_replaces_the_earlier_run_whole(tmp_path, caplog):
+    """Without --resume, the earlier run's logs were replaced but its checkpoints stayed: a
+    shorter new run left the old run's later step-N as the newest, which --resume, export
+    and generate then picked. Now its checkpoints and report go too, with a warning."""
+    fast = ["ppo.epochs=1", "ppo.minibatches=1", "log.checkpoint_every=1"]
+    PPOTrainer(make_cfg(tmp_path, "ppo.iterations=2", *fast)).fit()
+    run = tmp_path / "run"
+    (run / "report.html").write_text("the old run's")
+    assert [p.name for p in C.list_checkpoints(run)] == ["step-1", "step-2"]
+    with caplog.at_level(logging.WARNING):
+        PPOTrainer(make_cfg(tmp_path, "ppo.iterations=1", *fast)).fit()
+    assert "holds an earlier run" in caplog.text
+    assert [p.name for p in C.list_checkpoints(run)] == ["step-1"]
+    assert not (run / "report.html").exists()
+    assert len(read_jsonl(run / "metrics.jsonl")) == 1

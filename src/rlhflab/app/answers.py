@@ -96,6 +96,15 @@ def rollouts(
         )
 
 
+def _check_out(out: Path, prompts: str | None) -> None:
+    """An output file that would fail only once the work is done (a folder), or that
+    would overwrite the prompts being read, is refused first."""
+    if out.is_dir():
+        raise ConfigError(f"--out {out}: a folder; name the file to write")
+    if prompts and out.exists() and out.resolve() == Path(prompts).expanduser().resolve():
+        raise ConfigError(f"--out {out}: the prompt file itself; name another file")
+
+
 def _check_room(src: PolicySource, prompts: list[str], max_new_tokens: int) -> None:
     """The longest prompt and a whole answer must fit the model's positions (a learned
     position table has no row beyond them: an IndexError deep in the forward otherwise)."""
@@ -158,6 +167,7 @@ def run_generate(args) -> dict:
     """``rlhflab generate``: answers to a prompt file as JSON lines; returns a summary."""
     if args.n < 1:
         raise ConfigError(f"--n: must be >= 1, got {args.n}")
+    _check_out(Path(args.out), args.prompts)
     cfg = answer_config(args.model, args.config, args.overrides)
     src = find_policy(args.model, cfg.model, args.checkpoint)
     prompts = read_prompts(args.prompts, src, cfg)  # before the weights: bad rows come fast
@@ -275,6 +285,8 @@ def run_eval(args) -> dict:
     answers_path = out.with_suffix(".jsonl")
     if answers_path == out:
         raise ConfigError(f"--out {out}: the summary is JSON; name a .json file")
+    for path in (out, answers_path):  # before the evaluation, not after it
+        _check_out(path, args.prompts)
     if args.n < 1:
         raise ConfigError(f"--n: must be >= 1, got {args.n}")
     if args.limit is not None and args.limit < 1:

@@ -355,6 +355,15 @@ def main(argv: list[str] | None = None) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {exc}", file=sys.stderr)
         code = 2
+    except KeyboardInterrupt:
+        # Ctrl-C: checkpoints and result files are written whole or not at all, so what is
+        # on disk is the last one finished; a traceback would only say where Python was
+        print(
+            f"interrupted: rlhflab {args.command} stopped; its newest whole checkpoint (if "
+            "any) is where --resume continues from",
+            file=sys.stderr,
+        )
+        code = 130
     from rlhflab.infra.distributed import exit_without_teardown, shutdown_distributed
 
     # under torchrun: leave the process group; as the command line, then also skip the

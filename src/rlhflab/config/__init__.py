@@ -98,6 +98,13 @@ def validate(cfg: Config, stage: str = "ppo", reward_given: bool = False) -> Con
             "rm.length_exempt: names heads ODIN leaves alone, but rm.length_head is off "
             "(no ODIN); set rm.length_head=true or leave rm.length_exempt unset"
         )
+    negative = {h: w for h, w in cfg.rm.heads.items() if w < 0}
+    if stage == "rm" and negative:
+        head, weight = next(iter(negative.items()))
+        raise ConfigError(
+            f"rm.heads: the loss weight of '{head}' is {weight}; a negative weight trains the "
+            "head to prefer the rejected answer (0 leaves it untrained)"
+        )
     if stage == "rm" and cfg.rm.length_head and "length" in cfg.rm.heads:
         raise ConfigError(
             "rm.heads: 'length' is the head rm.length_head adds (ODIN); name your heads otherwise"

@@ -157,7 +157,16 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if "=" not in text:
         raise ConfigError(f"override {text!r} must look like key.sub=value")
     key, raw = text.split("=", 1)
-    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else ""
+    if not raw.strip():
+        return key.strip().split("."), ""
+    try:
+        return key.strip().split("."), yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(
+            f"override {text!r}: the value is not valid YAML ({problem}); quote the whole "
+            "override for the shell, e.g. 'rm.heads={preference: 1.0}'"
+        ) from None
 
 
 def merge_overrides(data: dict, overrides: list[str] | dict | None) -> dict:
@@ -172,7 +181,9 @@ def merge_overrides(data: dict, overrides: list[str] | dict | None) -> dict:
     for path, value, text in items:
         node = data
         for part in path[:-1]:
-            node = node.setdefault(part, {})
+            if node.get(part) is None:  # absent, or a YAML section left empty ("ppo:")
+                node[part] = {}
+            node = node[part]
             if not isinstance(node, dict):
                 raise ConfigError(f"override {text!r}: {part} is not a section")
         node[path[-1]] = value

@@ -21,6 +21,7 @@ loop (each step and each save is collective); only rank 0 writes files.
 from __future__ import annotations
 
 import logging
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -192,9 +193,27 @@ class RunLoop:
         if resume_step is not None and saved.is_file():
             for line in config_changes(_read_yaml(saved), self.config):
                 log.warning("--resume: the config differs from the run's: %s", line)
+        if resume_step is None:
+            self._clear_earlier_run()
         # whole or not at all: a resume reads it back
         write_text_atomic(saved, yaml.safe_dump(self.config, sort_keys=False, allow_unicode=True))
         return RunLog(self.run_dir, self.log.tensorboard, self.log.wandb, self.config, resume_step)
+
+    def _clear_earlier_run(self) -> None:
+        """A fresh start in a folder that holds a run replaces that run whole: its logs go
+        (RunLog), and so do its checkpoints and report — a newer step-N of the old run
+        would otherwise be what --resume, export or generate pick."""
+        stale = [self.run_dir / "checkpoints", self.run_dir / "report.html"]
+        stale = [p for p in stale if p.exists()]
+        if not stale:
+            return
+        log.warning(
+            "%s holds an earlier run: starting afresh replaces its checkpoints and logs "
+            "(--resume would have continued it)",
+            self.run_dir,
+        )
+        for p in stale:
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
 
     def _record(self, runlog, step: int, metrics: dict) -> None:
         runlog.metrics(step, metrics)
