@@ -129,3 +129,24 @@ def test_a_model_made_elsewhere_gets_the_labels_it_can_have():
     assert two[0, 0] == 0.0 and two[:, 1].isnan().all() and two[1, 0].isnan()
     with pytest.raises(ConfigError, match="no pair in x has a label for head 'helpful'"):
         head_targets(pairs, ["brevity", "helpful"], "x")  # training needs every head's labels
+
+
+def test_a_sparsely_labelled_head_trains_whatever_the_held_out_pairs_hold(tmp_path):
+    """Half the pairs carry a 'brevity' label: the held-out split may hold none of them;
+    training needs labels among its own pairs, the held-out checks do not."""
+    import json
+
+    from rlhflab.app.cli import main
+
+    rows = [
+        {"prompt": f"copy: w{i}\nanswer:", "chosen": f" w{i}", "rejected": " x"}
+        | ({"labels": {"brevity": i % 2}} if i < 5 else {})  # seed 0 holds out row 8
+        for i in range(10)
+    ]
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = [f"rm.data={data}", "rm.steps=1", "rm.batch_size=2", "device=cpu"]
+    common += ["model.policy=preset:nano", f"rm.output_dir={tmp_path / 'rm'}"]
+    assert main(["rm", *common, "rm.heads={preference: 1.0, brevity: 1.0}"]) == 0
+    # the built-in task's heads by default: plain pairs are told what to set
+    assert main(["rm", *common]) == 2

@@ -92,7 +92,11 @@ def head_targets(
                 out[i, k] = float(p.labels[h])
     for k, h in enumerate(heads):
         if strict and torch.isnan(out[:, k]).all():
-            raise ConfigError(f"rm.heads: no pair in {where} has a label for head '{h}'")
+            raise ConfigError(
+                f"rm.heads: no pair in {where} has a label for head '{h}'; name the heads "
+                "your pairs are labelled for ('preference' needs no label: chosen is better), "
+                "e.g. rm.heads={preference: 1.0} for plain pairs"
+            )
     return out
 
 
@@ -340,7 +344,9 @@ def rm_trainer(cfg: Config) -> SupervisedTrainer:
     held, train = split_pairs(pairs, cfg)
     if not train:
         raise DataError(f"{where}: too few pairs to hold out {len(held)} and still train")
-    train_t, held_t = head_targets(train, heads, where), head_targets(held, heads, where)
+    # strict on the pairs trained on; the few held out may lack a sparse head's labels
+    train_t = head_targets(train, heads, where)
+    held_t = head_targets(held, heads, where, strict=False)
     weights = [r.heads[h] for h in heads]
     if odin is not None:  # the length head has no label of its own: trained through the sums
         train_t, held_t = (
