@@ -164,3 +164,24 @@ def test_ppo_with_lora_on_gpt2_adapts_its_own_layers_and_saves_the_adapters(tmp_
     policy = tmp_path / "run" / "checkpoints" / "step-1" / "policy"
     saved = [k for f in policy.glob("*.safetensors") for k in load_file(str(f))]
     assert saved and all("lora_" in k for k in saved)
+
+
+def test_an_int8_gpt2_quantises_its_conv1d_layers_too(built):
+    """GPT-2's layers are transformers' Conv1D, not nn.Linear: int8 quantised only its tied
+    head before (a larger "int8" reference than the fp32 one). Now every layer product is
+    int8, and the logits stay those of the fp32 model to int8's rounding."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhflab.models.frozen import set_precision
+
+    fp32 = AutoModelForCausalLM.from_pretrained(built["gpt2"]).eval()
+    int8 = set_precision(AutoModelForCausalLM.from_pretrained(built["gpt2"]).eval(), "int8")
+    kinds = [type(m).__name__ for m in int8.modules()]
+    quantised = [m for m in int8.modules() if "quantized" in type(m).__module__]
+    assert "Conv1D" not in kinds and len(quantised) == 2 * 4 + 1, kinds  # 4 a layer + head
+    ids = torch.randint(
+        0, fp32.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0)
+    )
+    with torch.no_grad():
+        a, b = fp32(ids).logits, int8(ids).logits
+    assert (a - b).abs().max() < 0.05 * a.abs().max()

@@ -26,7 +26,7 @@ def set_precision(model: nn.Module, precision: str, device: torch.device | str =
     """Cast a frozen model to fp32/bf16/fp16, or int8.
 
     int8 on CPU: torch's dynamic quantisation of every nn.Linear (weights int8, activations
-    quantised per batch). Its `torch.ao` API is deprecated in favour of torchao but still the
+    quantised per batch), GPT-2's Conv1D layers included (rewritten as Linear first). Its `torch.ao` API is deprecated in favour of torchao but still the
     one that needs no extra package. On GPU, int8 needs bitsandbytes: load the model with
     ``BitsAndBytesConfig(load_in_8bit=True)`` (see docs/memory.md); refused here.
     """
@@ -43,12 +43,29 @@ def set_precision(model: nn.Module, precision: str, device: torch.device | str =
         )
     from torch.ao.quantization import quantize_dynamic
 
+    _conv1d_as_linear(model)  # GPT-2's layers: else only its tied head would be int8
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the deprecation notices of torch.ao
         # in place: the caller already owns a copy, and a second one would double the peak
         quantized = quantize_dynamic(model.float(), {nn.Linear}, dtype=torch.qint8, inplace=True)
     release_freed_memory()
     return quantized
+
+
+def _conv1d_as_linear(model: nn.Module) -> None:
+    """Replace transformers' ``Conv1D`` (GPT-2 and its family: ``x @ W + b`` with W stored
+    (in, out)) by the same product as an ``nn.Linear`` (W transposed), in place, so that
+    int8 quantisation, which takes Linear layers, reaches them."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child).__name__ != "Conv1D" or not hasattr(child, "nf"):
+                continue
+            n_in, n_out = child.weight.shape
+            linear = nn.Linear(n_in, n_out, bias=child.bias is not None, device="meta")
+            linear.weight = nn.Parameter(child.weight.detach().t().contiguous(), False)
+            if child.bias is not None:
+                linear.bias = nn.Parameter(child.bias.detach(), False)
+            setattr(parent, name, linear)
 
 
 class Offloaded(nn.Module):
