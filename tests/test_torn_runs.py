@@ -181,3 +181,30 @@ def test_a_fresh_start_in_a_run_folder_replaces_the_earlier_run_whole(tmp_path, 
     assert [p.name for p in C.list_checkpoints(run)] == ["step-1"]
     assert not (run / "report.html").exists()
     assert len(read_jsonl(run / "metrics.jsonl")) == 1
+
+
+def test_resuming_with_other_models_names_the_setting(tmp_path, capsys):
+    """--resume with a shared value head for a run trained with a separate critic, or with
+    LoRA for a full-weight run: one line naming the setting, not a missing file."""
+    fast = ["ppo.iterations=1", "ppo.epochs=1", "ppo.minibatches=1", "log.checkpoint_every=1"]
+    PPOTrainer(make_cfg(tmp_path, *fast)).fit()  # model.value_model=separate
+    config = str(tmp_path / "run" / "config.yaml")
+    for change, said in (
+        ("model.value_model=shared", "model.value_model is 'shared', but"),
+        ("model.lora_r=4", "model.lora_r is 4, but"),
+    ):
+        assert main(["ppo", "--config", config, "ppo.iterations=2", change, "--resume"]) == 2
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert said in line and "resume with the run's setting" in line, line
+    # 'auto' is resolved per run, so not compared: the checkpoint's loader names the file
+    auto = tmp_path / "auto"
+    PPOTrainer(make_cfg(auto, *fast, "model.value_model=auto")).fit()
+    config = str(auto / "run" / "config.yaml")
+    assert (
+        main(
+            ["ppo", "--config", config, "ppo.iterations=2", "model.value_model=shared", "--resume"]
+        )
+        == 2
+    )
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "value_head.safetensors" in line and "written for others" in line, line

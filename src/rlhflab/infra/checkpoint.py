@@ -264,12 +264,21 @@ def load_weights_into(model, folder: Path) -> None:
 
 
 def load_checkpoint(path: Path, cast) -> dict:
-    """Load weights into the cast in place and return the training state."""
-    load_weights_into(cast.policy_lm, path / "policy")
-    if isinstance(cast.policy, PolicyWithValueHead):
-        cast.policy.value_head.load_state_dict(load_file(str(path / "value_head.safetensors")))
-    if cast.critic is not None:
-        load_weights_into(cast.critic, path / "critic")
+    """Load weights into the cast in place and return the training state. A file the cast
+    needs and the checkpoint lacks (it was written by other model.* settings) is a
+    CheckpointError naming it."""
+    try:
+        load_weights_into(cast.policy_lm, path / "policy")
+        if isinstance(cast.policy, PolicyWithValueHead):
+            head = load_file(str(path / "value_head.safetensors"))
+            cast.policy.value_head.load_state_dict(head)
+        if cast.critic is not None:
+            load_weights_into(cast.critic, path / "critic")
+    except FileNotFoundError as exc:
+        raise CheckpointError(
+            f"{path}: does not fit this run's models ({exc}); it was written for others "
+            "(another model.value_model, model.critic or LoRA setting?)"
+        ) from None
     return read_state(path)
 
 

@@ -181,9 +181,29 @@ class RunLoop:
         if last is None:
             log.info("--resume: no checkpoint in %s; starting fresh", self.run_dir)
             return None
+        self._refuse_other_models()
         job.load_checkpoint(last)
         log.info("resumed from %s", last)
         return job.iteration
+
+    def _refuse_other_models(self) -> None:
+        """--resume with settings that change which models and tensors a checkpoint holds
+        (a shared value head for a separate critic, LoRA for full weights) cannot load it:
+        said as the setting, not as the missing file it leads to."""
+        saved = self.run_dir / "config.yaml"
+        old = _read_yaml(saved).get("model") if saved.is_file() else None
+        new = self.config.get("model") or {}
+        if not isinstance(old, dict):
+            return
+        for key in STRUCTURE:
+            if "auto" in (old.get(key), new.get(key)):
+                continue  # resolved per run; load_checkpoint names what is then missing
+            if key in old and key in new and old[key] != new[key]:
+                raise C.CheckpointError(
+                    f"--resume: model.{key} is {new[key]!r}, but {self.run_dir} was trained with "
+                    f"{old[key]!r}: its checkpoints hold other models; resume with the run's "
+                    "setting (or start a new run elsewhere)"
+                )
 
     def _open_log(self, resume_step: int | None):
         if not self.is_main:
@@ -238,6 +258,10 @@ def _hooks_stop(job: Job, metrics: dict) -> str | None:
         if hook(job.iteration, metrics):
             return f"a callback ({getattr(hook, '__name__', hook)}) asked to stop"
     return None
+
+
+# model settings that decide which models and tensors a checkpoint holds
+STRUCTURE = ("value_model", "critic", "critic_lora_r", "lora_r", "lora_targets")
 
 
 def _read_yaml(path: Path) -> dict:
