@@ -71,6 +71,13 @@ def test_the_space_is_checked_before_any_trial():
             check_space(space, base)
 
 
+def test_a_storage_that_is_no_database_url_is_one_line(tmp_path, capsys):
+    config = write_config(tmp_path)
+    args = ["sweep", "--config", str(config), "--trials", "1", "--storage", "notaurl"]
+    assert main([*args, "--out", str(tmp_path / "sw")]) == 2
+    assert "--storage 'notaurl': not a database URL" in capsys.readouterr().err
+
+
 def test_the_objective_is_gold_or_proxy_less_kl_over_the_budget():
     m = {"monitor/gold": 0.5, "objective/scores": 2.0, "objective/kl": 6.0}
     assert iteration_objective(m, True, None, 0.1) == 0.5

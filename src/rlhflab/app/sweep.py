@@ -161,10 +161,21 @@ def run_trial(trial, base: dict, space: dict, sweep_dir: Path, stage: str) -> fl
     return value
 
 
+def check_storage(url: str) -> None:
+    """A --storage that is no database URL, refused before any worker starts (Optuna would
+    fail deep in SQLAlchemy's URL parser, once per worker)."""
+    if "://" not in url:
+        raise ConfigError(
+            f"--storage {url!r}: not a database URL; give one Optuna can open, such as "
+            "sqlite:///sweep.db or postgresql://user@host/db"
+        )
+
+
 def open_study(optuna, storage: str, name: str, cfg: Config, worker: int = 0, shared=False):
     """The study (created or continued), with a TPE sampler whose seed differs per worker,
     per restart and, on a ``shared`` storage (``--storage``), per machine."""
     s = cfg.sweep
+    check_storage(storage)
     if storage.startswith(("sqlite", "postgresql", "mysql")):
         # a trial whose process died (kill -9, a lost machine) stops beating and is marked
         # failed, so it never counts towards --trials
@@ -284,6 +295,7 @@ def run_sweep(args) -> dict:
     space = check_space(cfg.sweep.space or DEFAULT_SPACES[stage], base)
     sweep_dir.mkdir(parents=True, exist_ok=True)
     storage = args.storage or f"sqlite:///{(sweep_dir / 'study.db').resolve()}"
+    check_storage(storage)
     workers = [] if args.worker else _spawn_workers(args, sweep_dir, storage, name)
     study = open_study(optuna, storage, name, cfg, args.worker, shared=bool(args.storage))
     optimise(study, optuna, args.trials, lambda t: run_trial(t, base, space, sweep_dir, stage))
