@@ -287,3 +287,23 @@ def test_ctrl_c_ends_the_command_with_one_line_and_status_130(monkeypatch, capsy
     assert main(["memory"]) == 130
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.strip().startswith("interrupted: rlhflab memory")
+
+
+def test_data_task_picks_the_built_in_skill_everywhere_and_is_checked():
+    """data.task was documented but read by nothing: now every built-in stream follows it."""
+    from rlhflab.builtin import tasks
+    from rlhflab.diagnostics.evaluate import heldout_prompts
+    from rlhflab.trainers.common import load_prompt_set
+    from rlhflab.trainers.rm import builtin_pairs
+    from rlhflab.trainers.sft import builtin_sft_pairs
+
+    cfg = load_config(overrides=["data.task=copy"], reward_given=True)
+    texts = load_prompt_set(cfg, None).next_batch()
+    texts += [p.prompt for p in builtin_pairs(cfg)]
+    texts += [p for p, _ in builtin_sft_pairs(8, 0, tasks.skills_of(cfg.data.task))]
+    texts += heldout_prompts(8, 0, cfg.data.task)
+    assert texts and all(t.startswith("copy: ") for t in texts), texts[:4]
+    mixed = {p.split(":")[0] for p in heldout_prompts(40, 0)}
+    assert mixed == {"copy", "reverse", "sort", "add"}
+    with pytest.raises(ConfigError, match="data.task"):
+        load_config(overrides=["data.task=spelling"], reward_given=True)

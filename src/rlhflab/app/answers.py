@@ -275,7 +275,7 @@ def _eval_prompts(args, cfg: Config, src: PolicySource) -> tuple[list[str], str,
         )
     n = args.limit or BUILTIN_HELDOUT
     where = f"built-in task, {n} held-out prompts (seed {10_000 + cfg.seed})"
-    return heldout_prompts(n, cfg.seed), where, args.gold or BUILTIN_GOLD
+    return heldout_prompts(n, cfg.seed, cfg.data.task), where, args.gold or BUILTIN_GOLD
 
 
 def run_eval(args) -> dict:

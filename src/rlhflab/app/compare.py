@@ -70,7 +70,7 @@ def worker(method: str, config_json: str, eval_prompts: int) -> dict:
     # the proxy is the same weighted reward model for every method (DPO never saw it)
     reward = trainer.cast.reward if method != "dpo" else _reward_only(cfg)
     sft = load_frozen_policy(cfg, tok)
-    prompts = heldout_prompts(eval_prompts, cfg.seed)
+    prompts = heldout_prompts(eval_prompts, cfg.seed, cfg.data.task)
     result = evaluate_policy(
         policy, sft, tok, prompts, reward, cfg.rollout.max_new_tokens, seed=cfg.seed
     )

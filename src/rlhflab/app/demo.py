@@ -144,7 +144,7 @@ def run_demo(
 
     # Evaluation on held-out prompts (a seed the training prompts never use).
     t0 = time.perf_counter()
-    prompts = heldout_prompts(PRESETS[preset]["eval_prompts"], seed)
+    prompts = heldout_prompts(PRESETS[preset]["eval_prompts"], seed, cfg.data.task)
     tok = trainer.cast.tokenizer
     sft_model = load_frozen_policy(cfg, tok, trainer.device)
     kw = {

@@ -42,6 +42,15 @@ def make_example(rng: random.Random, skills: tuple[str, ...] = SKILLS) -> Exampl
     return Example(skill, f"{skill}: {arg}{ANSWER_CUE}", " ".join(answer))
 
 
+def skills_of(task: str) -> tuple[str, ...]:
+    """The skills of ``data.task``: 'mixed' is all four, any other one skill."""
+    if task == "mixed":
+        return SKILLS
+    if task not in SKILLS:
+        raise ValueError(f"data.task: {task!r} is not 'mixed' or one of {SKILLS}")
+    return (task,)
+
+
 def make_examples(n: int, seed: int, skills: tuple[str, ...] = SKILLS) -> list[Example]:
     """``n`` examples, deterministic in ``seed``."""
     rng = random.Random(seed)

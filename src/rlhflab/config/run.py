@@ -31,7 +31,14 @@ class DataConfig:
         "'skip' drops it and counts it in the log.",
         choices=("error", "skip"),
     )
-    task: str = setting("mixed", "Built-in task family used when `prompts` is None.")
+    task: str = setting(
+        "mixed",
+        "The built-in task's skill wherever no data is given: PPO's prompts (data.prompts "
+        "unset), the SFT examples, the reward-model and DPO pairs, and the held-out "
+        "prompts of `rlhflab eval`, the demo and compare. 'mixed': copy, reverse, sort and "
+        "add drawn at random; a skill's name: that one alone.",
+        choices=("mixed", "copy", "reverse", "sort", "add"),
+    )
 
 
 @dataclass

@@ -16,10 +16,11 @@ from rlhflab.experience.rewards import RewardBatch
 from rlhflab.experience.rollout import generate_rollout, response_slice
 
 
-def heldout_prompts(n: int, seed: int) -> list[str]:
-    """``n`` prompts of the built-in task that training never sees (it draws from seed + 101;
-    these from 10 000 + seed): the held-out set of the demo, ``compare`` and ``eval``."""
-    return [ex.prompt for ex in tasks.make_examples(n, seed=10_000 + seed)]
+def heldout_prompts(n: int, seed: int, task: str = "mixed") -> list[str]:
+    """``n`` prompts of the built-in task (``data.task``) that training never sees (it draws
+    from seed + 101; these from 10 000 + seed): the held-out set of the demo, ``compare``
+    and ``eval``."""
+    return [ex.prompt for ex in tasks.make_examples(n, 10_000 + seed, tasks.skills_of(task))]
 
 
 @torch.no_grad()

@@ -198,7 +198,8 @@ def load_prompt_set(cfg: Config, tokenizer) -> PromptStream:
             cfg.data.split,
         )
     else:
-        prompts = [ex.prompt for ex in tasks.make_examples(2000, seed=cfg.seed + 101)]
+        skills = tasks.skills_of(cfg.data.task)
+        prompts = [ex.prompt for ex in tasks.make_examples(2000, cfg.seed + 101, skills)]
     return PromptStream(prompts, cfg.rollout.prompts_per_iteration, cfg.seed)
 
 

@@ -60,7 +60,7 @@ def builtin_pairs(cfg: Config) -> list[PreferencePair]:
     r = cfg.rm
     rng = random.Random(cfg.seed + 29)
     pairs = []
-    for ex in tasks.make_examples(r.pairs, cfg.seed + 3):
+    for ex in tasks.make_examples(r.pairs, cfg.seed + 3, tasks.skills_of(cfg.data.task)):
         a = tasks.teacher_response(ex, rng)
         b = a
         for _ in range(20):

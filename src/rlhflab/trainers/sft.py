@@ -23,12 +23,13 @@ from rlhflab.trainers.supervised import SupervisedTrainer
 log = logging.getLogger(__name__)
 
 
-def builtin_sft_pairs(n: int, seed: int) -> list[tuple[str, str]]:
+def builtin_sft_pairs(
+    n: int, seed: int, skills: tuple[str, ...] = tasks.SKILLS
+) -> list[tuple[str, str]]:
     """(prompt, response) pairs from the noisy teacher of the built-in task."""
     rng = random.Random(seed + 17)
-    return [
-        (ex.prompt, " " + tasks.teacher_response(ex, rng)) for ex in tasks.make_examples(n, seed)
-    ]
+    examples = tasks.make_examples(n, seed, skills)
+    return [(ex.prompt, " " + tasks.teacher_response(ex, rng)) for ex in examples]
 
 
 def load_sft_pairs(
@@ -90,7 +91,7 @@ def sft_trainer(cfg: Config) -> SupervisedTrainer:
     if s.data:
         pairs = load_sft_pairs(s.data, tokenizer, cfg.data.split, limit)
     else:
-        pairs = builtin_sft_pairs(s.examples, cfg.seed)
+        pairs = builtin_sft_pairs(s.examples, cfg.seed, tasks.skills_of(cfg.data.task))
         for i, (prompt, response) in enumerate(pairs):
             where = f"the built-in task's SFT example {i + 1}"
             check_fits(tokenizer, limit, where, prompt, {"response": response})
