@@ -247,6 +247,8 @@ def test_errors_are_one_line_naming_the_culprit(runs, prompts_file, tmp_path, ca
     assert error_line(capsys).endswith(
         "has no checkpoints/best (log.keep_best writes it); it has: step-1, step-2"
     )
+    assert main([*gen, "--model", "preset:nano", "--checkpoint", "step-1"]) == 2  # not ignored
+    assert "--checkpoint step-1: preset:nano is a model, not a run directory" in error_line(capsys)
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "fine"}\n{"prompt": \n')

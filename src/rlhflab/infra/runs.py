@@ -119,14 +119,19 @@ def find_policy(
     (:func:`pick_checkpoint`)."""
     options = options or ModelConfig()
     spec = os.fspath(spec)  # a pathlib.Path names a folder as a string does
-    if spec.startswith("preset:"):
-        return _folder(spec, options)
     path = Path(spec).expanduser()
-    if not path.is_dir():
+    if not spec.startswith("preset:") and not path.is_dir():
         what = "no such folder" if not path.exists() else "not a folder"
         raise M.ModelLoadError(f"--model {spec}: {what}")
-    if is_run_dir(path):
+    if not spec.startswith("preset:") and is_run_dir(path):
         return _run(path, checkpoint)
+    if checkpoint != "last":  # it would be ignored: only a run has checkpoints to pick
+        raise M.ModelLoadError(
+            f"--checkpoint {checkpoint}: {spec} is a model, not a run directory; only a "
+            "run's checkpoints can be picked"
+        )
+    if spec.startswith("preset:"):
+        return _folder(spec, options)
     if (path / ADAPTER_CONFIG).is_file():
         return _adapter(path, options)
     if (path / "config.json").is_file():
