@@ -5,6 +5,7 @@ given as NaN or infinity: each must be reported, not read silently nor as a trac
 """
 
 import json
+import re
 
 import pytest
 
@@ -307,3 +308,21 @@ def test_data_task_picks_the_built_in_skill_everywhere_and_is_checked():
     assert mixed == {"copy", "reverse", "sort", "add"}
     with pytest.raises(ConfigError, match="data.task"):
         load_config(overrides=["data.task=spelling"], reward_given=True)
+
+
+@pytest.mark.parametrize(
+    "row,said",
+    [
+        ({**PAIR, "labels": {"brevity": True}}, "field 'labels' must map attributes to numbers"),
+        ({**PAIR, "labels": 0}, "field 'labels' must map attributes to numbers"),
+        ({**PAIR, "labels": []}, "field 'labels' must map attributes to numbers"),
+        ({**PAIR, "rejected": PAIR["chosen"]}, "'chosen' and 'rejected' are the same answer"),
+    ],
+)
+def test_preference_rows_read_as_nothing_or_as_a_number_are_named(tmp_path, row, said):
+    """A boolean label was read as 1, a label field of 0 / [] / false as no labels, and a
+    pair with one answer twice was trained on: each is now an error naming the row."""
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(json.dumps(PAIR) + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(DataError, match=f"^{path}:2: {re.escape(said)}"):
+        load_preferences(path)

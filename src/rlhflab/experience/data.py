@@ -194,6 +194,8 @@ def load_preferences(
         if isinstance(row, DataError):
             raise row
         pair = preference_pair(row, tokenizer, rows.where(n))
+        if pair.chosen == pair.rejected:  # its loss would be a constant: nothing learnt
+            raise DataError(f"{rows.where(n)}: 'chosen' and 'rejected' are the same answer")
         answers = {"chosen": pair.chosen, "rejected": pair.rejected}
         check_fits(tokenizer, max_tokens, rows.where(n), pair.prompt, answers)
         pairs.append(pair)
@@ -240,7 +242,9 @@ def _plain_pair(row: dict, where: str) -> tuple[str, str, str]:
 
 
 def _labels(row: dict, where: str) -> dict:
-    labels = row.get("labels") or {}
+    labels = row.get("labels")
+    if labels is None or labels == "":  # absent, or an empty CSV cell
+        return {}
     if isinstance(labels, str):  # CSV cells hold JSON text
         try:
             labels = json.loads(labels)
@@ -248,10 +252,15 @@ def _labels(row: dict, where: str) -> dict:
             raise DataError(f"{where}: field 'labels' is not a JSON object ({exc.msg})") from None
     if isinstance(labels, dict):  # a struct column gives every row every key: None = unlabelled
         labels = {k: v for k, v in labels.items() if v is not None}
+    # a bool is an int to Python, but true/false is no preference strength: said, not read
     if not isinstance(labels, dict) or not all(
-        isinstance(v, (int, float)) and 0 <= v <= 1 for v in labels.values()
+        isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1
+        for v in labels.values()
     ):
-        raise DataError(f"{where}: field 'labels' must map attributes to numbers in [0, 1]")
+        raise DataError(
+            f"{where}: field 'labels' must map attributes to numbers in [0, 1] "
+            f"(1: chosen is better, 0: worse, 0.5: a tie), got {labels!r}"
+        )
     return labels
 
 
