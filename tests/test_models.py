@@ -7,7 +7,13 @@ from rlhflab import models as M
 from rlhflab.config import load_config
 from rlhflab.core.algorithms import logprobs_from_logits
 from rlhflab.experience.cast import build_cast
-from rlhflab.experience.rewards import FunctionReward, ModelReward, RewardBatch, RewardError
+from rlhflab.experience.rewards import (
+    CallableReward,
+    FunctionReward,
+    ModelReward,
+    RewardBatch,
+    RewardError,
+)
 from rlhflab.models import presets
 
 
@@ -180,6 +186,10 @@ def test_function_reward_errors_name_the_function():
         FunctionReward("tests.reward_fns:boom")(batch)
     with pytest.raises(RewardError, match="no function missing"):
         FunctionReward("tests.reward_fns:missing")
+    column = CallableReward(lambda p, r: [[1.0], [2.0]], name="column")(batch)
+    assert column["column"].tolist() == [1.0, 2.0]  # one number per answer, as a column
+    with pytest.raises(RewardError, match=r"component 'grid' has shape \(1, 2\)"):
+        CallableReward(lambda p, r: [[1.0, 2.0]], name="grid")(batch)
     with pytest.raises(RewardError, match="module:function"):
         FunctionReward("just_a_name")
 

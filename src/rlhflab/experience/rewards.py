@@ -192,11 +192,17 @@ class CallableReward:
 
     def _check(self, name, values, n) -> torch.Tensor:
         try:
-            t = torch.as_tensor(values, dtype=torch.float32).reshape(-1)
+            t = torch.as_tensor(values, dtype=torch.float32)
         except (TypeError, ValueError, RuntimeError):
             raise RewardError(
                 f"reward function {self.name}: component {name!r} is not a list of numbers"
             ) from None
+        if t.dim() > 1 and tuple(t.shape) != (n, 1):  # a flattened grid would misalign
+            raise RewardError(
+                f"reward function {self.name}: component {name!r} has shape "
+                f"{tuple(t.shape)}; return one number per answer ({n})"
+            )
+        t = t.reshape(-1)
         if t.numel() != n:
             raise RewardError(
                 f"reward function {self.name}: component {name!r} returned "
