@@ -331,3 +331,21 @@ def test_running_moments_are_global_over_ranks_and_equal_the_concatenated_data()
         assert moments.mean == pytest.approx(every.mean().item(), rel=1e-12)
         assert moments.var == pytest.approx(every.var().item(), rel=1e-12)
     assert found[0].state_dict() == found[1].state_dict()
+
+
+def test_student_t_cdf_and_quantile_match_closed_forms_and_the_normal():
+    """df = 1 (Cauchy) and df = 2 have closed forms; large df tends to the normal;
+    the quantile inverts the cdf."""
+    from statistics import NormalDist
+
+    from rlhflab.core.stats import student_t_cdf, student_t_quantile
+
+    for t in (-30.0, -4.0, -1.5, 0.0, 0.7, 3.0):
+        assert student_t_cdf(t, 1) == pytest.approx(0.5 + math.atan(t) / math.pi, abs=1e-12)
+        two = 0.5 + t / (2 * math.sqrt(2 + t * t))
+        assert student_t_cdf(t, 2) == pytest.approx(two, abs=1e-9)
+        assert student_t_cdf(t, 400) == pytest.approx(NormalDist().cdf(t), abs=2e-3)
+    assert student_t_cdf(-4.0, 3) == pytest.approx(0.0140, abs=1e-4)  # why a fixed −4 misled
+    for p, df in ((3e-5, 3), (3e-5, 15), (0.05, 7), (0.5, 4)):
+        assert student_t_cdf(student_t_quantile(p, df), df) == pytest.approx(p, rel=1e-6)
+    assert student_t_quantile(3e-5, 10_000) == pytest.approx(NormalDist().inv_cdf(3e-5))

@@ -434,6 +434,9 @@ def test_a_significantly_negative_kl_is_explained_once_and_a_correct_run_never_w
         assert all(r["objective/kl_k3"] >= 0 for r in rows)
         assert "standard errors below zero" not in caplog.text
         t.watch.check_kl_sign(torch.tensor([0.1, -0.2, 0.05, 0.0]))  # noise around zero
+        # 4 answers at z ≈ −9.8: a fixed normal threshold of −4 warned here, though Student's
+        # t with 3 degrees of freedom falls below −4 in 1.4 % of correct iterations
+        t.watch.check_kl_sign(torch.tensor([-0.30, -0.31, -0.33, -0.20]))
         assert "standard errors below zero" not in caplog.text
         t.cfg.rollout.top_k = 5  # a cause the warning should name
         t.watch.check_kl_sign(torch.tensor([-0.50, -0.45, -0.55, -0.48, -0.52, -0.47]))

@@ -17,6 +17,7 @@ import torch
 
 from rlhflab.config import Config, ConfigError
 from rlhflab.core import algorithms as A
+from rlhflab.core.stats import student_t_quantile
 from rlhflab.diagnostics.monitor import HackingMonitor
 from rlhflab.experience.opener import PromptCaches, opener_logprobs
 from rlhflab.experience.rewards import FunctionReward, RewardBatch
@@ -34,10 +35,11 @@ def raised_kl_coef(beta: float, factor: float, ceiling: float) -> float:
     return max(beta, min(beta * factor, ceiling))
 
 
-# A batch's mean k1 KL this many standard errors below zero cannot come from answers that
-# π itself sampled (E[k1] = KL ≥ 0). At z = −4 a correct run is wrongly warned about with
-# probability ~3e-5 per iteration even at KL exactly 0 (normal approximation).
-NEGATIVE_KL_Z = -4.0
+# A batch's mean k1 KL significantly below zero cannot come from answers that π itself
+# sampled (E[k1] = KL ≥ 0). The threshold is the z-score a correct run at KL exactly 0 falls
+# below with this probability per iteration: −4.0 for large batches, Student's t quantile
+# for small ones (−33 at 4 answers, where a fixed −4 alarmed 1.4 % of iterations).
+NEGATIVE_KL_P = 3e-5
 
 
 @dataclass
@@ -182,8 +184,9 @@ class PPOWatch:
         (trl #925, #1161; LlamaFactory #664); this names the causes this config has."""
         if self.kl_sign_warned:
             return
-        z = A.mean_z_score(self.ctx.all_gather_cat(seq_kl.detach().float()))
-        if not z < NEGATIVE_KL_Z:
+        kl = self.ctx.all_gather_cat(seq_kl.detach().float())
+        z = A.mean_z_score(kl)
+        if kl.numel() < 2 or not z < student_t_quantile(NEGATIVE_KL_P, kl.numel() - 1):
             return
         self.kl_sign_warned = True
         r = self.cfg.rollout
