@@ -2,6 +2,8 @@
 tied and untied embeddings, a pad id equal to EOS or none at all, left- and right-padding
 tokenizers, each with dropout in its config. Built locally, a few thousand weights each."""
 
+import json
+
 import pytest
 import torch
 
@@ -118,6 +120,13 @@ def test_sft_rm_and_dpo_train_other_causal_lms_into_folders_that_reload(
     assert main([*args, *STAGE_ARGS[stage], *extra]) == 0
     run = out if stage == "dpo" else out / "run"
     assert len(losses(run)) == 3 and all(torch.isfinite(torch.tensor(losses(run))))
+    # trained without dropout (ratio 1), saved with the source's: a next fine-tune keeps it
+    dropout = "resid_pdrop" if kind == "gpt2" else "attention_dropout"
+    folders = (
+        [out] if stage != "dpo" else [] if lora else [out / "checkpoints" / "step-3" / "policy"]
+    )
+    for f in folders:
+        assert json.loads((f / "config.json").read_text())[dropout] == 0.1, f
     tok = M.load_tokenizer(folder)
     start = M.load_causal_lm(folder, tok)
     ids = torch.tensor([tok("copy: red\nanswer: red", add_special_tokens=False)["input_ids"]])

@@ -31,6 +31,7 @@ from safetensors.torch import load_file, save_file
 from rlhflab.backends.native_models import iter_safetensors
 from rlhflab.infra.files import share_like_umask
 from rlhflab.models import PolicyWithValueHead
+from rlhflab.models.prepare import restore_dropout
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ OPTIMIZER_KEYS = ("optim", "critic_optim")
 def _save_lm(lm, folder: Path, tokenizer, state_dict: dict | None = None) -> None:
     kwargs = {} if state_dict is None else {"state_dict": state_dict}
     lm.save_pretrained(folder, safe_serialization=True, **kwargs)
+    restore_dropout(folder, lm)  # the source's dropout, not the zeros training runs with
     tokenizer.save_pretrained(folder)
 
 

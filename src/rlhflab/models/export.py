@@ -24,7 +24,7 @@ from torch import nn
 
 from rlhflab.infra.files import share_like_umask
 from rlhflab.models.heads import PolicyWithValueHead
-from rlhflab.models.prepare import ModelLoadError, first_line
+from rlhflab.models.prepare import ModelLoadError, first_line, restore_dropout
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -203,6 +203,7 @@ def save_policy(
             state = merged_state_dict(lm) if is_peft(lm) else lm.state_dict()
             state = {k: _saved_tensor(v, dtype) for k, v in state.items()}
             model.save_pretrained(tmp, safe_serialization=True, state_dict=state)
+            restore_dropout(tmp, model)
             _set_config_dtype(tmp, dtype or model.get_input_embeddings().weight.dtype)
         tokenizer.save_pretrained(tmp)
     return out

@@ -4,6 +4,7 @@ before and after the model is built, and the fp32 rule for trained weights."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -126,3 +127,36 @@ def hf_load(auto_class, path, trust_remote_code: bool, fields: dict, **kwargs):
         )
     except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
         raise ModelLoadError(f"{path}: the model cannot be loaded ({first_line(exc)})") from None
+
+
+def restore_dropout(folder: str | Path, model) -> None:
+    """Put back, in the ``config.json`` just saved to ``folder``, the dropout probabilities
+    of the folder ``model`` was loaded from (its config's ``name_or_path``): the loaders zero
+    them so that the first PPO ratio is 1 (:func:`hf_config`), and the saved folder would
+    otherwise tell whoever fine-tunes it next that the model never had dropout. A model
+    with no source folder on disk is left as saved."""
+    config = getattr(model, "config", None)
+    source = getattr(config, "name_or_path", None) or getattr(config, "_name_or_path", None)
+    if not source:
+        return
+    src, out = Path(source) / "config.json", Path(folder) / "config.json"
+    if not (src.is_file() and out.is_file()) or src.resolve() == out.resolve():
+        return
+    try:
+        original, saved = json.loads(src.read_text()), json.loads(out.read_text())
+    except (OSError, ValueError):
+        return  # a loader has read the source already; nothing to mend here
+    if _copy_dropout(original, saved):
+        out.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
+
+
+def _copy_dropout(original: dict, saved: dict) -> bool:
+    changed = False
+    for key, value in original.items():
+        if isinstance(value, dict) and isinstance(saved.get(key), dict):
+            changed |= _copy_dropout(value, saved[key])
+        elif isinstance(value, float) and DROPOUT_NAME.search(key) and saved.get(key) != value:
+            if key in saved:
+                saved[key] = value
+                changed = True
+    return changed

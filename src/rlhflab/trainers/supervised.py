@@ -25,6 +25,7 @@ from rlhflab.config import Config
 from rlhflab.config.base import to_dict
 from rlhflab.infra import checkpoint as C
 from rlhflab.infra.files import share_like_umask
+from rlhflab.models.prepare import restore_dropout
 from rlhflab.trainers.common import (
     Halt,
     build_optimizer_simple,
@@ -131,6 +132,7 @@ class SupervisedTrainer:
         done = loop.run(self, resume)
         self.out.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(self.out, safe_serialization=True)
+        restore_dropout(self.out, self.model)  # the source's, not the zeros trained with
         self.tokenizer.save_pretrained(self.out)
         share_like_umask(self.out)  # safetensors writes owner-only files
         done.seconds = time.perf_counter() - start
