@@ -359,3 +359,18 @@ def test_a_pad_equal_to_eos_keeps_the_vocabulary_and_the_eos_in_the_mask(tmp_pat
     policy = tmp_path / "run" / "checkpoints" / "step-2" / "policy"
     saved = [k for f in policy.glob("*.safetensors") for k in load_file(str(f))]
     assert saved and all("lora_" in k for k in saved), saved
+
+
+def test_the_native_config_writes_back_the_labels_it_read_and_no_others():
+    """A causal LM's config.json that names no labels came back from a native save with
+    a LABEL_0 map; a classifier's labels, read or set, are written."""
+    from rlhflab.backends.native_config import NativeConfig
+
+    fields = json.loads((preset_path("nano") / "config.json").read_text())
+    fields.pop("id2label", None), fields.pop("label2id", None)
+    assert "id2label" not in NativeConfig(fields).to_dict()
+    heads = NativeConfig(fields)
+    heads.num_labels = 3
+    assert heads.to_dict()["id2label"] == {"0": "LABEL_0", "1": "LABEL_1", "2": "LABEL_2"}
+    named = NativeConfig({**fields, "id2label": {"0": "reward"}})
+    assert named.to_dict()["label2id"] == {"reward": 0}

@@ -23,6 +23,7 @@ class NativeConfig:
 
     def __init__(self, fields: dict):
         self.__dict__.update(fields)
+        self._labels_read = "id2label" in fields  # else written back only once changed
         labels = fields.get("id2label") or {"0": "LABEL_0"}
         self.id2label = {int(k): v for k, v in labels.items()}
         self.label2id = {v: k for k, v in self.id2label.items()}
@@ -45,8 +46,12 @@ class NativeConfig:
 
     def to_dict(self) -> dict:
         out = {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
-        out["id2label"] = {str(k): v for k, v in self.id2label.items()}
-        out["label2id"] = dict(self.label2id)
+        if self._labels_read or self.id2label != {0: "LABEL_0"}:
+            out["id2label"] = {str(k): v for k, v in self.id2label.items()}
+            out["label2id"] = dict(self.label2id)
+        else:  # a causal LM's config that named no labels: saved as it was read
+            out.pop("id2label", None)
+            out.pop("label2id", None)
         return out
 
 
