@@ -209,7 +209,7 @@ def test_a_row_longer_than_the_models_positions_is_named_before_it_loads(
 @pytest.mark.parametrize(
     "name,text,said",
     [
-        ("extra.csv", "prompt,response\nSay hi, politely,Hello\n", ":2: 3 fields where the header has 2"),
+        ("extra.csv", "prompt,response\nSay hi, politely,Hello\n", ":2: more fields than the header's 2"),
         ("twice.csv", "prompt,response,prompt\na,b,c\n", ":1: column 'prompt' appears twice"),
         ("twice.jsonl", '{"prompt": "a", "response": "b", "response": "c"}\n', ":1: field 'response' appears twice"),
         ("array.json", '[\n {"prompt": "a", "response": "b"}\n]\n', ": a JSON array over several lines"),
@@ -227,7 +227,17 @@ def test_rows_that_would_lose_or_pick_data_silently_are_named(tmp_path, name, te
 
 
 def test_a_byte_order_mark_is_not_part_of_the_first_column(tmp_path):
-    """Spreadsheets' "CSV UTF-8" and some editors start the file with U+FEFF."""
+    """Spreadsheets' "CSV UTF-8" and some editors start the file with U+FEFF; they also
+    leave empty trailing columns and commas, which lose nothing."""
+    sheet = tmp_path / "sheet.csv"
+    sheet.write_text("prompt,response,,\na, b,,\nc, d,\n")
+    assert load_sft_pairs(sheet) == [("a", " b"), ("c", " d")]
+    bad = tmp_path / "bad.csv"
+    bad.write_bytes(b"\xef\xbb\xbfprompt,response\na,b\xff\n")
+    with pytest.raises(
+        DataError, match=f"^{re.escape(str(bad))}:2: not valid UTF-8 .* column 4\\)"
+    ):
+        load_sft_pairs(bad)
     for name, text in (
         ("bom.csv", "prompt,response\na, b\n"),
         ("bom.jsonl", '{"prompt": "a", "response": " b"}\n'),

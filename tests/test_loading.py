@@ -374,3 +374,17 @@ def test_the_native_config_writes_back_the_labels_it_read_and_no_others():
     assert heads.to_dict()["id2label"] == {"0": "LABEL_0", "1": "LABEL_1", "2": "LABEL_2"}
     named = NativeConfig({**fields, "id2label": {"0": "reward"}})
     assert named.to_dict()["label2id"] == {"reward": 0}
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_a_trained_folder_keeps_its_sources_dropout(tmp_path, runtime):
+    """Training zeroes dropout (the first PPO ratio must be 1); the folder sft writes says
+    what the source said, whichever runtime trained it."""
+    src = tmp_path / "src"
+    shutil.copytree(preset_path("nano"), src)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.1}))
+    out = tmp_path / "sft"
+    args = ["sft", f"model.policy={src}", f"sft.output_dir={out}", "sft.steps=1"]
+    assert main([*args, f"model.runtime={runtime}", "device=cpu", "log.progress=false"]) == 0
+    assert json.loads((out / "config.json").read_text())["attention_dropout"] == 0.1

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from rlhflab.app.cli import main
+from rlhflab.config import ConfigError
 from rlhflab.infra import checkpoint as C
 from rlhflab.infra.runlog import read_jsonl
 from rlhflab.trainers.ppo import PPOTrainer
@@ -181,6 +182,12 @@ def test_a_fresh_start_in_a_run_folder_replaces_the_earlier_run_whole(tmp_path, 
     assert [p.name for p in C.list_checkpoints(run)] == ["step-1"]
     assert not (run / "report.html").exists()
     assert len(read_jsonl(run / "metrics.jsonl")) == 1
+    # but never the checkpoint the new run itself starts from
+    policy = run / "checkpoints" / "step-1" / "policy"
+    again = PPOTrainer(make_cfg(tmp_path, "ppo.iterations=1", *fast, f"model.policy={policy}"))
+    with pytest.raises(ConfigError, match="model.policy: .* is inside .* would delete"):
+        again.fit()
+    assert policy.is_dir()
 
 
 def test_resuming_with_other_models_names_the_setting(tmp_path, capsys):

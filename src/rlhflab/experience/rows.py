@@ -192,11 +192,12 @@ def _refuse_repeated_keys(pairs: list) -> dict:
 
 
 def _csv_rows(path: Path) -> Iterator[tuple[int, dict | DataError]]:
-    raw = path.read_bytes()
+    # the byte-order mark spreadsheet programs write ("CSV UTF-8") is not part of the
+    # first column's name; dropped from the bytes, so a bad byte's line and column count
+    # from the file's start as an editor shows it
+    raw = path.read_bytes().removeprefix(b"\xef\xbb\xbf")
     try:
-        # utf-8-sig: the byte-order mark spreadsheet programs write ("CSV UTF-8") is not
-        # part of the first column's name
-        text = raw.decode("utf-8-sig")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         start = raw.rfind(b"\n", 0, exc.start) + 1
         raise _utf8_error(path, raw.count(b"\n", 0, exc.start) + 1, exc, start) from None
@@ -211,16 +212,19 @@ def _csv_rows(path: Path) -> Iterator[tuple[int, dict | DataError]]:
     reader = csv.DictReader(io.StringIO(text, newline=""))
     try:
         header = reader.fieldnames or []
-        repeated = sorted({c for c in header if header.count(c) > 1})
+        # (empty names: the trailing empty columns spreadsheets leave are not a repeat)
+        repeated = sorted({c for c in header if c and header.count(c) > 1})
         if repeated:
             raise DataError(f"{path}:1: column '{repeated[0]}' appears twice in the header")
         for row in reader:
-            if None in row:  # more fields than the header names: csv.DictReader's restkey
+            # more fields than the header names (csv.DictReader's restkey): data lost unless
+            # they are empty (a trailing comma)
+            if any(str(v).strip() for v in row.pop(None, None) or ()):
                 yield (
                     reader.line_num,
                     DataError(
-                        f"{path}:{reader.line_num}: {len(header) + len(row[None])} fields where the "
-                        f"header has {len(header)} (a comma inside a field must be quoted)"
+                        f"{path}:{reader.line_num}: more fields than the header's "
+                        f"{len(header)} (a comma inside a field must be quoted)"
                     ),
                 )
                 continue

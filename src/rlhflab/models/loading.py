@@ -170,6 +170,8 @@ def _load_native(path, kind: str, tokenizer, **kwargs):
         model = load_native(path, kind, **kwargs)
     except NativeConfigError as exc:
         raise ModelLoadError(str(exc)) from None
+    # where it came from, as transformers' configs keep it (never saved: "_" fields are not)
+    model.config._name_or_path = str(path)
     _fit_vocab(model, tokenizer)
     return disable_dropout(model)
 

@@ -31,7 +31,7 @@ from typing import Protocol
 
 import yaml
 
-from rlhflab.config import LogConfig, absolute_paths
+from rlhflab.config import PATH_FIELDS, ConfigError, LogConfig, absolute_paths
 from rlhflab.infra import checkpoint as C
 from rlhflab.infra import runinfo
 from rlhflab.infra.files import write_text_atomic
@@ -227,6 +227,16 @@ class RunLoop:
         stale = [p for p in stale if p.exists()]
         if not stale:
             return
+        kept = (self.run_dir / "checkpoints").resolve()
+        for sec, name in PATH_FIELDS:
+            values = (self.config.get(sec) or {}).get(name)
+            for value in values if isinstance(values, list) else [values]:
+                if isinstance(value, str) and kept in Path(value).resolve().parents:
+                    raise ConfigError(
+                        f"{sec}.{name}: {value} is inside {kept}, which starting afresh in "
+                        f"{self.run_dir} would delete; give this run another log.output_dir "
+                        "(or --resume the old one)"
+                    )
         log.warning(
             "%s holds an earlier run: starting afresh replaces its checkpoints and logs "
             "(--resume would have continued it)",
@@ -261,7 +271,8 @@ def _hooks_stop(job: Job, metrics: dict) -> str | None:
 
 
 # model settings that decide which models and tensors a checkpoint holds
-STRUCTURE = ("value_model", "critic", "critic_lora_r", "lora_r", "lora_targets")
+# (a folder setting such as model.critic is not one: an old run recorded it relative)
+STRUCTURE = ("value_model", "critic_lora_r", "lora_r", "lora_targets")
 
 
 def _read_yaml(path: Path) -> dict:
