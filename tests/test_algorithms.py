@@ -346,6 +346,12 @@ def test_student_t_cdf_and_quantile_match_closed_forms_and_the_normal():
         assert student_t_cdf(t, 2) == pytest.approx(two, abs=1e-9)
         assert student_t_cdf(t, 400) == pytest.approx(NormalDist().cdf(t), abs=2e-3)
     assert student_t_cdf(-4.0, 3) == pytest.approx(0.0140, abs=1e-4)  # why a fixed −4 misled
-    for p, df in ((3e-5, 3), (3e-5, 15), (0.05, 7), (0.5, 4)):
-        assert student_t_cdf(student_t_quantile(p, df), df) == pytest.approx(p, rel=1e-6)
-    assert student_t_quantile(3e-5, 10_000) == pytest.approx(NormalDist().inv_cdf(3e-5))
+    # quantiles against closed forms (df 1 and 2) and a printed table (t_0.05,7 = −1.8946)
+    for p in (3e-5, 0.01, 0.3):
+        assert student_t_quantile(p, 1) == pytest.approx(math.tan(math.pi * (p - 0.5)), rel=1e-6)
+        two = (2 * p - 1) / math.sqrt(2 * p * (1 - p))
+        assert student_t_quantile(p, 2) == pytest.approx(two, rel=1e-6)
+    assert student_t_quantile(0.05, 7) == pytest.approx(-1.8946, abs=1e-4)
+    assert student_t_quantile(3e-5, 999) == pytest.approx(NormalDist().inv_cdf(3e-5), rel=5e-3)
+    with pytest.raises(ValueError, match="df must be >= 1"):
+        student_t_cdf(0.0, 0.5)

@@ -71,14 +71,21 @@ def test_saved_weights_are_as_readable_as_every_other_file(runs, tmp_path):
     import os
     import stat
 
-    umask = os.umask(0o022)
-    os.umask(umask)
-    assert main(["export", str(runs["full"]), str(tmp_path / "out")]) == 0
-    weights = [tmp_path / "out" / "model.safetensors"]
-    weights += list((runs["full"] / "checkpoints").rglob("*.safetensors"))
+    from rlhflab.infra.files import current_umask
+
+    before = os.umask(0o022)  # whatever the CI's umask: 0600 is then visibly wrong
+    try:
+        assert current_umask() == 0o022
+        assert main(["export", str(runs["full"]), str(tmp_path / "out")]) == 0
+        args = ["sft", "model.policy=preset:nano", "sft.steps=1", "device=cpu"]
+        assert main([*args, f"sft.output_dir={tmp_path / 'sft'}", "log.progress=false"]) == 0
+    finally:
+        os.umask(before)
+    weights = [tmp_path / "out" / "model.safetensors", tmp_path / "sft" / "model.safetensors"]
+    weights += list((tmp_path / "sft" / "run" / "checkpoints").rglob("*.safetensors"))
     assert len(weights) > 2
     for f in weights:
-        assert stat.S_IMODE(f.stat().st_mode) == 0o666 & ~umask, f
+        assert stat.S_IMODE(f.stat().st_mode) == 0o644, f
 
 
 def test_export_full_run_is_the_checkpoints_policy(runs, tmp_path, capsys):
@@ -155,7 +162,7 @@ def test_export_refuses_a_folder_that_is_not_empty(runs, tmp_path, capsys):
     assert main(["export", str(runs["full"]), str(out), "--force"]) == 0
     assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
     # --force never replaces the run it exports (or a folder holding it)
-    for kept in (runs["full"], runs["full"].parent):
+    for kept in (runs["full"], runs["full"].parent, runs["full"] / "checkpoints"):
         assert main(["export", str(runs["full"]), str(kept), "--force"]) == 2
         assert "would delete" in error_line(capsys)
     assert (runs["full"] / "config.yaml").is_file()

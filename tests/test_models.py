@@ -188,8 +188,10 @@ def test_function_reward_errors_name_the_function():
         FunctionReward("tests.reward_fns:missing")
     column = CallableReward(lambda p, r: [[1.0], [2.0]], name="column")(batch)
     assert column["column"].tolist() == [1.0, 2.0]  # one number per answer, as a column
-    with pytest.raises(RewardError, match=r"component 'grid' has shape \(1, 2\)"):
-        CallableReward(lambda p, r: [[1.0, 2.0]], name="grid")(batch)
+    row = CallableReward(lambda p, r: [[1.0, 2.0]], name="row")(batch)
+    assert row["row"].tolist() == [1.0, 2.0]  # or as a row
+    with pytest.raises(RewardError, match=r"component 'grid' has shape \(2, 2\)"):
+        CallableReward(lambda p, r: [[1.0, 2.0], [3.0, 4.0]], name="grid")(batch)
     with pytest.raises(RewardError, match="module:function"):
         FunctionReward("just_a_name")
 

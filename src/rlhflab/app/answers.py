@@ -34,6 +34,7 @@ from rlhflab.experience.rollout import Rollout, generate_rollout
 from rlhflab.infra.distributed import resolve_device
 from rlhflab.infra.files import write_text_atomic
 from rlhflab.infra.runs import PolicySource, find_policy, is_run_dir, read_run_config
+from rlhflab.models import positions_of
 from rlhflab.models.build import load_model, load_tokenizer_for
 from rlhflab.trainers.common import progress
 
@@ -108,8 +109,8 @@ def _check_out(out: Path, prompts: str | None) -> None:
 def _check_room(src: PolicySource, prompts: list[str], max_new_tokens: int) -> None:
     """The longest prompt and a whole answer must fit the model's positions (a learned
     position table has no row beyond them: an IndexError deep in the forward otherwise)."""
-    limit = getattr(src.lm.config, "max_position_embeddings", None)
-    if not isinstance(limit, int) or not prompts:
+    limit = positions_of(src.lm.config)
+    if limit is None or not prompts:
         return
     tok = src.tokenizer
     longest = max(len(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts)

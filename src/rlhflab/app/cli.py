@@ -358,11 +358,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         # Ctrl-C: checkpoints and result files are written whole or not at all, so what is
         # on disk is the last one finished; a traceback would only say where Python was
-        print(
-            f"interrupted: rlhflab {args.command} stopped; its newest whole checkpoint (if "
-            "any) is where --resume continues from",
-            file=sys.stderr,
-        )
+        if int(os.environ.get("RANK", "0")) == 0:
+            resumable = args.command in ("ppo", "grpo", "rloo", "dpo", "sft", "rm")
+            after = "; --resume continues from its newest whole checkpoint" if resumable else ""
+            print(f"interrupted: rlhflab {args.command} stopped{after}", file=sys.stderr)
         code = 130
     from rlhflab.infra.distributed import exit_without_teardown, shutdown_distributed
 

@@ -14,20 +14,21 @@ from statistics import NormalDist
 
 
 def student_t_cdf(t: float, df: float, steps: int = 2000) -> float:
-    """P(T ≤ t) for Student's t with ``df`` > 0 degrees of freedom.
+    """P(T ≤ t) for Student's t with ``df`` ≥ 1 degrees of freedom (below 1 the integrand
+    below is infinite at the ends; a sample of N gives N − 1 ≥ 1).
 
     With t = √df · tan θ the density becomes c · cos^(df−1) θ on θ ∈ (−π/2, π/2), with
     c = Γ((df+1)/2) / (√π Γ(df/2)): a smooth integrand on a finite interval, integrated
     here by Simpson's rule over ``steps`` (even) intervals."""
-    if df <= 0:
-        raise ValueError(f"df must be > 0, got {df}")
+    if df < 1:
+        raise ValueError(f"df must be >= 1, got {df}")
     if math.isinf(t):
         return 0.0 if t < 0 else 1.0
     c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(math.pi)
     lo, hi = -math.pi / 2, math.atan(t / math.sqrt(df))
     h = (hi - lo) / steps
 
-    def f(theta: float) -> float:
+    def f(theta: float) -> float:  # the density in θ, less its constant c
         return max(math.cos(theta), 0.0) ** (df - 1) if df != 1 else 1.0
 
     total = f(lo) + f(hi)

@@ -197,7 +197,7 @@ class CallableReward:
             raise RewardError(
                 f"reward function {self.name}: component {name!r} is not a list of numbers"
             ) from None
-        if t.dim() > 1 and tuple(t.shape) != (n, 1):  # a flattened grid would misalign
+        if t.dim() > 1 and tuple(t.shape) not in ((n, 1), (1, n)):  # a grid would misalign
             raise RewardError(
                 f"reward function {self.name}: component {name!r} has shape "
                 f"{tuple(t.shape)}; return one number per answer ({n})"

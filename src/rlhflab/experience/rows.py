@@ -183,6 +183,8 @@ class _RepeatedKey(Exception):
 
 
 def _refuse_repeated_keys(pairs: list) -> dict:
+    """json.loads' object_pairs_hook: the object as a dict, or _RepeatedKey naming a key
+    given twice."""
     seen = {}
     for key, value in pairs:
         if key in seen:

@@ -29,23 +29,29 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
     return path
 
 
-_UMASK: int | None = None
-
-
-def _umask() -> int:
-    global _UMASK
-    if _UMASK is None:  # os.umask can only be read by setting it: once, and set back
-        _UMASK = os.umask(0o022)
-        os.umask(_UMASK)
-    return _UMASK
+def current_umask() -> int:
+    """The process's umask, read from /proc (Linux) where it can be; elsewhere by setting
+    it and setting it back, which is not safe against another thread creating a file in
+    between, so read afresh on every call rather than cached."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def share_like_umask(folder: str | Path) -> None:
-    """Give every file under ``folder`` the mode the process's umask gives new files
-    (usually 0644). safetensors creates its files owner-only (0600), so a model saved on a
-    shared machine would be unreadable by the teammates every other file is readable by.
-    Called on a finished folder before it is put in place."""
-    mode = 0o666 & ~_umask()
-    for f in Path(folder).rglob("*"):
-        if f.is_file() and not f.is_symlink():
+    """Give the safetensors files under ``folder`` the mode the umask gives new files
+    (usually 0644): safetensors creates its files owner-only (0600), so a model saved on a
+    shared machine would be unreadable by the teammates every other file of it is readable
+    by. Only those files (nothing else a user keeps in the folder changes mode), and only
+    the ones this process owns. Called on a finished folder before it is put in place."""
+    mode = 0o666 & ~current_umask()
+    owner = os.getuid() if hasattr(os, "getuid") else None  # POSIX; Windows has no modes
+    for f in Path(folder).rglob("*.safetensors"):
+        if f.is_file() and not f.is_symlink() and owner in (None, f.stat().st_uid):
             os.chmod(f, mode)

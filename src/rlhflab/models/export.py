@@ -39,15 +39,19 @@ def check_out_dir(
 ) -> None:
     """Refuse an ``out`` that is a file, or a folder with something in it (unless ``force``);
     and, ``force`` or not, one that is or holds a folder of ``protect`` (the run or model
-    the export is made from: replacing ``out`` would delete it)."""
+    the export is made from: replacing ``out`` would delete it), or a non-empty folder
+    inside one (``RUN/checkpoints``)."""
     here = Path(out).expanduser().resolve()
     for kept in protect:
         if kept is None or str(kept).startswith("preset:"):
             continue
         kept_path = Path(kept).expanduser().resolve()
-        if kept_path == here or here in kept_path.parents:
+        # out is the source, holds it, or is a part of it that --force would replace
+        inside = kept_path in here.parents and out.is_dir() and any(out.iterdir())
+        if kept_path == here or here in kept_path.parents or (inside and force):
             raise error(
-                f"{out}: replacing it would delete {kept}, which this export is made from; "
+                f"{out}: replacing it would delete {kept} (or part of it), which this export "
+                "is made from; "
                 "choose another folder"
             )
     if out.exists() and not out.is_dir():

@@ -26,8 +26,9 @@ def set_precision(model: nn.Module, precision: str, device: torch.device | str =
     """Cast a frozen model to fp32/bf16/fp16, or int8.
 
     int8 on CPU: torch's dynamic quantisation of every nn.Linear (weights int8, activations
-    quantised per batch), GPT-2's Conv1D layers included (rewritten as Linear first). Its `torch.ao` API is deprecated in favour of torchao but still the
-    one that needs no extra package. On GPU, int8 needs bitsandbytes: load the model with
+    quantised per batch), GPT-2's Conv1D layers included (rewritten as Linear first). Its
+    `torch.ao` API is deprecated in favour of torchao but still the one that needs no
+    extra package. On GPU, int8 needs bitsandbytes: load the model with
     ``BitsAndBytesConfig(load_in_8bit=True)`` (see docs/memory.md); refused here.
     """
     if precision in PRECISION_DTYPES:

@@ -91,13 +91,19 @@ def position_limit(spec: str, field: str = "model") -> int | None:
     config.json, or None where it names none. Read before any weight is loaded, so a data
     row too long for the model is named before the model loads; a learned position table
     (GPT-2, OPT) has no row beyond it, and a rotary model was not trained beyond it."""
-    settings = json.loads((resolve_path(spec, field) / "config.json").read_text())
-    for where in (settings, settings.get("text_config") or {}):
-        for key in POSITION_KEYS:
-            value = where.get(key) if isinstance(where, dict) else None
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return value
-    return None
+    return positions_of(json.loads((resolve_path(spec, field) / "config.json").read_text()))
+
+
+def positions_of(config) -> int | None:
+    """The positions a model config declares (:data:`POSITION_KEYS`, or its text_config's):
+    a config.json's dict or a loaded model's config object; None where it names none."""
+    get = config.get if isinstance(config, dict) else lambda k: getattr(config, k, None)
+    for key in POSITION_KEYS:
+        value = get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    text = get("text_config")
+    return positions_of(text) if text is not None and text is not config else None
 
 
 RUNTIMES = ("transformers", "native")

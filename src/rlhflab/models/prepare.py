@@ -151,6 +151,8 @@ def restore_dropout(folder: str | Path, model) -> None:
 
 
 def _copy_dropout(original: dict, saved: dict) -> bool:
+    """Copy into ``saved`` (a config.json's dict, sub-configs too) every dropout value of
+    ``original`` that ``saved`` has under the same name; whether anything changed."""
     changed = False
     for key, value in original.items():
         if isinstance(value, dict) and isinstance(saved.get(key), dict):

@@ -33,6 +33,7 @@ from rlhflab.infra.distributed import (
     init_distributed,
     rank_split,
 )
+from rlhflab.models import positions_of
 from rlhflab.trainers.common import load_prompt_set
 from rlhflab.trainers.loop import RunLoop
 from rlhflab.trainers.ppo_epochs import EpochStats, PPOUpdate
@@ -131,8 +132,8 @@ class PPOTrainer:
     stop_reason = property(lambda self: self.watch.stop_reason)
 
     def _check_batch(self) -> None:
-        r, limit = self.cfg.rollout, self.cast.policy_lm.config.max_position_embeddings
-        if r.max_prompt_tokens + r.max_new_tokens > limit:
+        r, limit = self.cfg.rollout, positions_of(self.cast.policy_lm.config)
+        if limit is not None and r.max_prompt_tokens + r.max_new_tokens > limit:
             raise ConfigError(
                 f"rollout.max_new_tokens: max_prompt_tokens + max_new_tokens = "
                 f"{r.max_prompt_tokens + r.max_new_tokens} exceeds the model's "
