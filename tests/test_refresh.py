@@ -321,3 +321,18 @@ def test_each_member_of_an_ensemble_is_refreshed_and_checkpointed(tmp_path, nano
         assert torch.equal(saved, members[name].model.model.score.weight), name
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert REFRESH_KEYS <= set(rows[0])
+
+
+def test_replayed_pairs_too_long_for_the_reward_model_are_named(tmp_path, nano_rm):
+    """The refresh replays rm.data's pairs: each must fit the reward model's positions, as
+    `rlhflab rm` checks them (a learned position table fails deep in its forward else)."""
+    from rlhflab.experience.data import DataError
+
+    pairs = tmp_path / "pairs.jsonl"
+    long = {"prompt": "copy: a\nanswer:", "chosen": " a", "rejected": " a" * 600}
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in [long] * 10))
+    cfg = _cfg(tmp_path, nano_rm, f"rm.data={pairs}", "reward.refresh_replay=0.5")
+    with pytest.raises(
+        DataError, match=f"{pairs}:1: prompt \\+ 'rejected' \\+ EOS is .* over the 512"
+    ):
+        PPOTrainer(cfg)

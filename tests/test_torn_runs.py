@@ -215,3 +215,11 @@ def test_resuming_with_other_models_names_the_setting(tmp_path, capsys):
     )
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert "value_head.safetensors" in line and "written for others" in line, line
+
+
+def test_a_report_name_taken_by_a_folder_is_one_line(tmp_path, capsys):
+    run = tmp_path / "ppo"
+    (run / "report.html").mkdir(parents=True)
+    write_jsonl(run / "metrics.jsonl", [{"iteration": 1, "objective/scores": 0.5}])
+    assert main(["report", str(run)]) == 2
+    assert "report.html: a folder" in capsys.readouterr().err.strip().splitlines()[-1]

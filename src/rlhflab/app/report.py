@@ -25,7 +25,7 @@ from rlhflab.app.charts import Chart, Series
 from rlhflab.diagnostics.gold_curve import story_from_rows
 from rlhflab.infra.files import write_text_atomic
 from rlhflab.infra.runinfo import read_run_info
-from rlhflab.infra.runlog import read_json, read_jsonl
+from rlhflab.infra.runlog import RunLogError, read_json, read_jsonl
 
 # alerts fire above these thresholds, except where named here
 _BELOW = {"entropy_ratio"}
@@ -334,6 +334,8 @@ def build_report(run_dir: str | Path) -> Path:
     title = f"{name}: {trainer or 'run'} report, {len(rows)} iterations, {len(alerts)} alerts"
     page = _PAGE.replace("{{TITLE}}", html.escape(title))
     out = run / "report.html"
+    if out.is_dir():  # found when writing, after the whole report was built
+        raise RunLogError(f"{out}: a folder; the report is written under that name")
     write_text_atomic(out, page.replace("{{BODY}}", head + "\n".join(body)))
     return out
 

@@ -111,8 +111,11 @@ class RewardRefresh:
         labelled as fresh pairs are: preference 1 (chosen ≻ rejected) and its attributes."""
         cfg = self.cfg
         if cfg.rm.data:
-            tokenizer = next(iter(self.models.values())).tokenizer  # renders chat rows
-            pairs = load_preferences(cfg.rm.data, tokenizer, cfg.data.split)
+            first = next(iter(self.models.values()))
+            tokenizer = first.tokenizer  # renders chat rows
+            # each pair must fit the reward model's positions, as `rlhflab rm` checks them
+            limit = M.positions_of(plain_module(first.model).config)
+            pairs = load_preferences(cfg.rm.data, tokenizer, cfg.data.split, limit)
         else:
             pairs = builtin_pairs(cfg)
         _, train = split_pairs(pairs, cfg)
