@@ -336,3 +336,14 @@ def test_preference_rows_read_as_nothing_or_as_a_number_are_named(tmp_path, row,
     path.write_text(json.dumps(PAIR) + "\n" + json.dumps(row) + "\n")
     with pytest.raises(DataError, match=f"^{path}:2: {re.escape(said)}"):
         load_preferences(path)
+
+
+def test_a_setting_given_twice_in_a_config_file_is_named(tmp_path):
+    """PyYAML keeps the last of two equal keys silently: `lr: -5` below `lr: 1e-5` won."""
+    path = tmp_path / "c.yaml"
+    path.write_text("ppo:\n  lr: 1.0e-5\n  iterations: 2\n  lr: -5\n")
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(path))}:4: 'lr' is set twice"):
+        load_config(path, reward_given=True)
+    merged = tmp_path / "m.yaml"  # a YAML merge key may still be overridden
+    merged.write_text("ppo:\n  <<: {iterations: 3}\n  iterations: 2\n")
+    assert load_config(merged, reward_given=True).ppo.iterations == 2

@@ -212,7 +212,11 @@ def load(
                 "save the file as UTF-8"
             ) from None
         try:
-            loaded = yaml.safe_load(text) or {}
+            loaded = yaml.load(text, Loader=_UniqueKeyLoader) or {}
+        except _RepeatedSetting as exc:
+            raise ConfigError(
+                f"{path}:{exc.args[1]}: {exc.args[0]!r} is set twice in one section; keep one"
+            ) from None
         except yaml.YAMLError as exc:
             raise ConfigError(f"{path}: not valid YAML: {exc}") from None
         if not isinstance(loaded, dict):
@@ -220,6 +224,27 @@ def load(
         data = _deep_merge(data, loaded)
     data = merge_overrides(data, overrides)
     return build(cls, data)
+
+
+class _RepeatedSetting(Exception):
+    """(key, line): a mapping of a config file that sets one key twice."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load's loader, except that a key given twice in one mapping is an error:
+    PyYAML keeps the last silently, so `lr: 1e-5` above `lr: -5` trained with −5."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:  # the mapping's own keys ("<<" merges may be overridden)
+            if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(
+                key_node, yaml.ScalarNode
+            ):
+                continue
+            if key_node.value in seen:
+                raise _RepeatedSetting(key_node.value, key_node.start_mark.line + 1)
+            seen.add(key_node.value)
+        return super().construct_mapping(node, deep=deep)
 
 
 def _deep_copy(d: dict) -> dict:
