@@ -223,3 +223,24 @@ def test_a_report_name_taken_by_a_folder_is_one_line(tmp_path, capsys):
     write_jsonl(run / "metrics.jsonl", [{"iteration": 1, "objective/scores": 0.5}])
     assert main(["report", str(run)]) == 2
     assert "report.html: a folder" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_answers_written_as_json_lines_whole_or_not_at_all(tmp_path):
+    """generate/eval's answers and the API's converted inputs stream through
+    write_lines_atomic: a row that cannot be written part-way through the file leaves the
+    old file as it was and no temporary file behind."""
+    from rlhflab.app.answers import write_jsonl as write_answers
+    from rlhflab.app.inputs import _write_jsonl as write_inputs
+    from rlhflab.config import ConfigError
+
+    path = tmp_path / "answers.jsonl"
+    write_answers(path, [{"answer": "a"}])
+    with pytest.raises(TypeError):
+        write_answers(path, [{"answer": "b"}, {"answer": object()}])
+    assert path.read_text() == '{"answer": "a"}\n'
+    with pytest.raises(ConfigError, match=r"prompts: item 2"):
+        write_inputs([{"prompt": "b"}, {"prompt": object()}], path, "prompts")
+    assert path.read_text() == '{"answer": "a"}\n'
+    assert [p.name for p in tmp_path.iterdir()] == ["answers.jsonl"]
+    write_inputs([{"prompt": "ü"}, {"prompt": "c"}], path, "prompts")
+    assert path.read_text(encoding="utf-8") == '{"prompt": "ü"}\n{"prompt": "c"}\n'

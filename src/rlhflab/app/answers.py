@@ -32,7 +32,7 @@ from rlhflab.experience.data import load_prompts
 from rlhflab.experience.rewards import FunctionReward, ModelReward, RewardBatch
 from rlhflab.experience.rollout import Rollout, generate_rollout
 from rlhflab.infra.distributed import resolve_device
-from rlhflab.infra.files import write_text_atomic
+from rlhflab.infra.files import write_lines_atomic, write_text_atomic
 from rlhflab.infra.runs import PolicySource, find_policy, is_run_dir, read_run_config
 from rlhflab.models import positions_of
 from rlhflab.models.build import load_model, load_tokenizer_for
@@ -136,11 +136,7 @@ def answer_rows(ro: Rollout) -> list[dict]:
 def write_jsonl(path: Path, rows: list[dict]) -> None:
     """``rows`` as JSON lines, written beside ``path`` and renamed into place."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    tmp.replace(path)
+    write_lines_atomic(path, (json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
 
 
 def _batch_size(batch_size: int | None) -> int:

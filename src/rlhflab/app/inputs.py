@@ -25,7 +25,7 @@ from pathlib import Path
 
 from rlhflab.config import Config, ConfigError
 from rlhflab.experience.rewards import CallableReward, importable_spec
-from rlhflab.infra.files import share_like_umask, write_text_atomic
+from rlhflab.infra.files import share_like_umask, write_lines_atomic, write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -103,15 +103,15 @@ def _plain(value):
 
 def _write_jsonl(rows: list[dict], path: Path, what: str) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with tmp.open("w", encoding="utf-8") as f:
+
+    def lines():
         for n, row in enumerate(rows, start=1):
             try:
-                f.write(json.dumps(row, ensure_ascii=False, default=_plain) + "\n")
+                yield json.dumps(row, ensure_ascii=False, default=_plain) + "\n"
             except (TypeError, ValueError) as exc:
-                tmp.unlink(missing_ok=True)
                 raise ConfigError(f"{what}: item {n}: {exc}") from None
-    tmp.replace(path)
+
+    write_lines_atomic(path, lines())
     return str(path)
 
 

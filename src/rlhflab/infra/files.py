@@ -11,6 +11,7 @@ either the old file or the new one. Checkpoints have their own manifest-based sc
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 
@@ -18,10 +19,20 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
     """Replace ``path`` with ``text`` (UTF-8) in one rename; its folder must exist. On any
     failure (an unencodable character, a full disk) the old file is left as it was and the
     temporary file is removed."""
+    return write_lines_atomic(path, (text,))
+
+
+def write_lines_atomic(path: str | Path, lines: Iterable[str]) -> Path:
+    """Replace ``path`` with the concatenated ``lines`` (UTF-8, each with its own line end
+    if it wants one) in one rename, streamed: a JSONL file of many rows is never held
+    whole. As :func:`write_text_atomic` on failure — including one raised by ``lines``
+    itself (a row that cannot be serialised): the old file stays, the temporary goes."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        tmp.write_text(text, encoding="utf-8")
+        with tmp.open("w", encoding="utf-8") as f:
+            for line in lines:
+                f.write(line)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
