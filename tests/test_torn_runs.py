@@ -244,3 +244,64 @@ def test_answers_written_as_json_lines_whole_or_not_at_all(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["answers.jsonl"]
     write_inputs([{"prompt": "ü"}, {"prompt": "c"}], path, "prompts")
     assert path.read_text(encoding="utf-8") == '{"prompt": "ü"}\n{"prompt": "c"}\n'
+
+
+def test_a_trainer_that_ran_is_never_started_afresh_under_its_own_files(tmp_path):
+    """Training the same trainer object again (a notebook's second train(), or a retry
+    after an exception) used to start afresh: it deleted the run's logs and checkpoints
+    and went on from the object's iteration. Now it is refused naming resume, which
+    continues from the newest checkpoint exactly as an uninterrupted run does."""
+    fast = ["ppo.iterations=3", "ppo.epochs=1", "ppo.minibatches=1", "log.checkpoint_every=1"]
+    straight = PPOTrainer(make_cfg(tmp_path / "a", *fast))
+    straight.fit()
+    with pytest.raises(ConfigError, match=r"already run .*to iteration 3 of 3.*resume"):
+        straight.fit()
+    assert len(read_jsonl(tmp_path / "a" / "run" / "metrics.jsonl")) == 3
+    assert [p.name for p in C.list_checkpoints(tmp_path / "a" / "run")][-1] == "step-3"
+
+    failing = PPOTrainer(make_cfg(tmp_path / "b", *fast))
+
+    def reward_service_down(step, metrics):
+        if step == 2:
+            raise RuntimeError("reward service down")
+
+    failing.step_hooks = [reward_service_down]
+    with pytest.raises(RuntimeError, match="reward service down"):
+        failing.fit()
+    with pytest.raises(ConfigError, match=r"already run .*to iteration 2 of 3"):
+        failing.fit()
+    failing.step_hooks = []
+    failing.fit(resume=True)  # from step-1: the hook raised before step-2 was written
+    rows = read_jsonl(tmp_path / "b" / "run" / "metrics.jsonl")
+    assert [r["iteration"] for r in rows] == [1, 2, 3]
+    for a, b in zip(
+        straight.cast.policy.state_dict().values(), failing.cast.policy.state_dict().values()
+    ):
+        assert torch.equal(a, b)
+
+
+def test_resume_with_nothing_to_continue_sets_the_earlier_run_aside(tmp_path, caplog):
+    """A run killed before its first step-N checkpoint (only checkpoints/best, from
+    log.keep_best) and then given --resume starts afresh, as a job script that always
+    passes --resume expects, but its logs, best policy and report are moved aside, not
+    deleted."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "best").mkdir(parents=True)
+    (run / "checkpoints" / "best" / "policy.txt").write_text("the best policy")
+    write_jsonl(run / "metrics.jsonl", [{"iteration": i, "objective/scores": 0.5} for i in (1, 2)])
+    (run / "report.html").write_text("the old run's")
+    (run / "config.yaml").write_text("seed: 7\n")
+    fast = ["ppo.iterations=1", "ppo.epochs=1", "ppo.minibatches=1"]
+    with caplog.at_level(logging.WARNING):
+        PPOTrainer(make_cfg(tmp_path, *fast)).fit(resume=True)
+    assert "holds no checkpoint to continue from" in caplog.text
+    (aside,) = run.glob("earlier-*")
+    assert (aside / "checkpoints" / "best" / "policy.txt").read_text() == "the best policy"
+    assert len(read_jsonl(aside / "metrics.jsonl")) == 2
+    assert (aside / "report.html").read_text() == "the old run's"
+    assert (aside / "config.yaml").read_text() == "seed: 7\n"
+    assert [r["iteration"] for r in read_jsonl(run / "metrics.jsonl")] == [1]
+    assert [p.name for p in C.list_checkpoints(run)] == ["step-1"]
+    # a folder with nothing of a run in it: nothing set aside
+    PPOTrainer(make_cfg(tmp_path / "empty", *fast)).fit(resume=True)
+    assert not list((tmp_path / "empty" / "run").glob("earlier-*"))

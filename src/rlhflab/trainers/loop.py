@@ -95,8 +95,22 @@ class RunLoop:
 
     def run(self, job: Job, resume: bool = False) -> RunResult:
         start = time.perf_counter()
+        ran = job.iteration  # > 0: this job object trained before, in this process
+        if ran and not resume:
+            raise ConfigError(
+                f"{self.name}: this trainer has already run in {self.run_dir} (to iteration "
+                f"{ran} of {self.total}); training it afresh would delete the logs and "
+                "checkpoints of the model it holds. Continue it from its newest checkpoint "
+                "with resume (train(resume=True)), or make a new trainer to start over"
+            )
         resume_step = self._resume(job) if resume else None
-        runlog = self._open_log(resume_step)
+        if ran and resume_step is None:
+            raise ConfigError(
+                f"{self.name}: resume: {self.run_dir} has no checkpoint to continue this "
+                f"trainer from (it ran to iteration {ran}, before its first checkpoint); make "
+                "a new trainer to start over"
+            )
+        runlog = self._open_log(resume_step, asked_resume=resume)
         bar = progress(
             range(job.iteration, self.total),
             self.log.progress and self.is_main,
@@ -205,7 +219,7 @@ class RunLoop:
                     "setting (or start a new run elsewhere)"
                 )
 
-    def _open_log(self, resume_step: int | None):
+    def _open_log(self, resume_step: int | None, asked_resume: bool = False):
         if not self.is_main:
             return NullLog()
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -213,7 +227,9 @@ class RunLoop:
         if resume_step is not None and saved.is_file():
             for line in config_changes(_read_yaml(saved), self.config):
                 log.warning("--resume: the config differs from the run's: %s", line)
-        if resume_step is None:
+        if resume_step is None and asked_resume:
+            self._set_earlier_run_aside()
+        elif resume_step is None:
             self._clear_earlier_run()
         # whole or not at all: a resume reads it back
         write_text_atomic(saved, yaml.safe_dump(self.config, sort_keys=False, allow_unicode=True))
@@ -245,6 +261,30 @@ class RunLoop:
         for p in stale:
             shutil.rmtree(p) if p.is_dir() else p.unlink()
 
+    def _set_earlier_run_aside(self) -> None:
+        """--resume where the run ended before its first step-N checkpoint (killed, or
+        ``log.checkpoint_every`` not reached): there is nothing to continue, so the run
+        starts afresh, as a job script that always passes --resume expects; but what the
+        earlier run left (its logs, ``checkpoints/best``, its report) is moved into
+        ``earlier-<time>/`` beside them (with a copy of its config.yaml) rather than
+        deleted: --resume never loses data."""
+        names = [*EARLIER_RUN_FILES, "checkpoints"]
+        found = [self.run_dir / n for n in names if (self.run_dir / n).exists()]
+        if not any(_holds_something(p) for p in found):
+            return
+        aside = self.run_dir / time.strftime("earlier-%Y%m%d-%H%M%S", time.gmtime())
+        aside.mkdir()
+        for p in found:
+            p.rename(aside / p.name)
+        if (self.run_dir / "config.yaml").is_file():  # this run's replaces it next
+            shutil.copy2(self.run_dir / "config.yaml", aside / "config.yaml")
+        log.warning(
+            "--resume: %s holds no checkpoint to continue from; starting afresh — the "
+            "earlier run's logs and checkpoints are kept in %s",
+            self.run_dir,
+            aside,
+        )
+
     def _record(self, runlog, step: int, metrics: dict) -> None:
         runlog.metrics(step, metrics)
         if self.alerts is not None:
@@ -268,6 +308,18 @@ def _hooks_stop(job: Job, metrics: dict) -> str | None:
         if hook(job.iteration, metrics):
             return f"a callback ({getattr(hook, '__name__', hook)}) asked to stop"
     return None
+
+
+# what an earlier run leaves beside its checkpoints: moved aside with them by a --resume
+# that finds nothing to continue (inputs/ stays: this run reads it)
+EARLIER_RUN_FILES = ("metrics.jsonl", "samples.jsonl", "alerts.jsonl", "run.json", "report.html")
+
+
+def _holds_something(path: Path) -> bool:
+    """A file with content, or a folder with anything in it."""
+    if path.is_dir():
+        return any(path.iterdir())
+    return path.stat().st_size > 0
 
 
 # model settings that decide which models and tensors a checkpoint holds
