@@ -66,9 +66,36 @@ def test_the_space_is_checked_before_any_trial():
         ({"ppo.clip_low": {"low": -1.0, "high": 0.2}}, "ppo.clip_low"),
         ({"ppo.lr": [1e-6, 1e-4]}, "expected {low, high"),
         ({}, "not empty"),
+        # a quoted 'false' is a non-empty string: it switched the log scale on
+        ({"ppo.lr": {"low": 1e-6, "high": 1e-4, "log": "false"}}, r"ppo.lr.log: expected true"),
+        # settings each trial gets from the sweep: "best: sweep.method='grpo'" trained PPO
+        ({"sweep.method": {"choices": ["grpo"]}}, "set by the sweep for every trial"),
+        ({"log.output_dir": {"choices": ["a", "b"]}}, "set by the sweep for every trial"),
     ):
         with pytest.raises(ConfigError, match=message):
             check_space(space, base)
+
+
+def test_a_study_rerun_as_another_experiment_is_refused():
+    """Rerunning a sweep under the same name with another space or base config mixed the
+    two experiments' trials silently (and the report read the new space only)."""
+    import optuna
+
+    from rlhflab.app.sweep import keep_one_experiment
+
+    base = to_dict(load_config(reward_given=True))
+    space = check_space({"ppo.lr": {"low": 1e-6, "high": 1e-4}}, base)
+    study = optuna.create_study(study_name="s", direction="maximize")
+    keep_one_experiment(study, space, base)  # the first start records it
+    keep_one_experiment(study, space, base)
+    moved = {**base, "log": {**base["log"], "progress": False}, "threads": 2}
+    keep_one_experiment(study, space, moved)  # no trial's objective changes
+    other = check_space({"ppo.kl_coef": {"low": 0.01, "high": 0.1}}, base)
+    with pytest.raises(ConfigError, match=r"another experiment \(space.ppo.kl_coef: '<unset>'"):
+        keep_one_experiment(study, other, base)
+    longer = {**base, "ppo": {**base["ppo"], "iterations": base["ppo"]["iterations"] + 1}}
+    with pytest.raises(ConfigError, match=r"base.ppo.iterations: .*another --name"):
+        keep_one_experiment(study, space, longer)
 
 
 def test_a_storage_that_is_no_database_url_is_one_line(tmp_path, capsys):
@@ -144,7 +171,7 @@ def test_a_sweep_killed_mid_trial_resumes_to_its_total(tmp_path):
     log = tmp_path / "sweep.log"  # read when the sweep never gets as far as it should
     with log.open("w") as sink:
         proc = subprocess.Popen(
-            [*cmd, "ppo.iterations=20"],
+            [*cmd, "ppo.iterations=12"],
             cwd=tmp_path,
             start_new_session=True,
             stdout=sink,
@@ -173,7 +200,9 @@ def test_a_sweep_killed_mid_trial_resumes_to_its_total(tmp_path):
     proc.wait()
     why = f"states {states}, exit {exited}, last error {error!r}, log:\n{log.read_text()[-2000:]}"
     assert states[:1] == [complete], why
-    done = subprocess.run([*cmd, "ppo.iterations=3"], cwd=tmp_path, capture_output=True, text=True)
+    # the same experiment (another ppo.iterations would be another: refused)
+    again = [*cmd, "ppo.iterations=12"]
+    done = subprocess.run(again, cwd=tmp_path, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = trials(out)
     states = [t["state"] for t in rows]

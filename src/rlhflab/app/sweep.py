@@ -14,6 +14,7 @@ most the trials in flight, and rerunning the command continues the study until i
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import math
 import os
@@ -31,6 +32,9 @@ from rlhflab.trainers.common import TrainingHalted
 log = logging.getLogger(__name__)
 
 SPEC_KEYS = {"low", "high", "log"}
+# settings every trial gets from the sweep itself, so a space cannot vary them: the method
+# is chosen before any trial (sweep.method), each trial's folder and bar are the sweep's
+FIXED_BY_THE_SWEEP = ("sweep.", "log.output_dir", "log.progress")
 
 
 def require_optuna():
@@ -59,6 +63,11 @@ def check_space(space: dict, base: dict) -> dict[str, dict]:
     out = {}
     for key, spec in space.items():
         where = f"sweep.space.{key}"
+        if str(key).startswith(FIXED_BY_THE_SWEEP):
+            raise ConfigError(
+                f"{where}: set by the sweep for every trial (sweep.*, log.output_dir, "
+                "log.progress), so a search space cannot vary it; run one sweep per value"
+            )
         if not isinstance(spec, dict):
             raise ConfigError(f"{where}: expected {{low, high[, log]}} or {{choices: [...]}}")
         if "choices" in spec:
@@ -71,7 +80,9 @@ def check_space(space: dict, base: dict) -> dict[str, dict]:
             if not {"low", "high"} <= set(spec) <= SPEC_KEYS:
                 raise ConfigError(f"{where}: a range needs low and high (and optionally log)")
             low, high = _number(spec["low"], where + ".low"), _number(spec["high"], where + ".high")
-            log_scale = bool(spec.get("log", False))
+            log_scale = spec.get("log", False)
+            if not isinstance(log_scale, bool):  # a quoted 'false' is a true string
+                raise ConfigError(f"{where}.log: expected true or false, got {log_scale!r}")
             if not low < high:
                 raise ConfigError(f"{where}: low ({low}) must be below high ({high})")
             if log_scale and low <= 0:
@@ -206,6 +217,44 @@ def open_study(optuna, storage: str, name: str, cfg: Config, worker: int = 0, sh
     return study
 
 
+# not compared between starts of a study: changing them changes no trial's objective (the
+# space is compared as check_space resolved it, not as written)
+NOT_COMPARED = (
+    "log",
+    "threads",
+    "sweep.pruner",
+    "sweep.prune_",
+    "sweep.startup_trials",
+    "sweep.space",
+)
+
+
+def keep_one_experiment(study, space: dict, base: dict) -> None:
+    """A study ranks trials of one search space over one base config. A rerun under the
+    same name that changed either (another space, ppo.iterations, the objective) would rank
+    trials of different experiments together, and the report would read only the new
+    space: refused, naming what changed. Both are recorded in the study when it starts
+    (studies from before this check get them at their next start)."""
+    from rlhflab.trainers.loop import config_changes
+
+    mine = json.loads(json.dumps({"space": space, "base": base}, default=str))
+    recorded = study.user_attrs.get("rlhflab_experiment")
+    if recorded is None:
+        study.set_user_attr("rlhflab_experiment", mine)
+        return
+    changes = [
+        line
+        for line in config_changes(recorded, mine)
+        if not line.removeprefix("base.").startswith(NOT_COMPARED)
+    ]
+    if changes:
+        shown = "; ".join(changes[:4]) + (f" (and {len(changes) - 4} more)" if changes[4:] else "")
+        raise ConfigError(
+            f"sweep: study {study.study_name!r} holds trials of another experiment ({shown}); "
+            "give this one another --name or --out, or rerun with the study's settings"
+        )
+
+
 def finished(optuna, study) -> int:
     states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
     return len(study.get_trials(deepcopy=False, states=states))
@@ -298,6 +347,7 @@ def run_sweep(args) -> dict:
     check_storage(storage)
     workers = [] if args.worker else _spawn_workers(args, sweep_dir, storage, name)
     study = open_study(optuna, storage, name, cfg, args.worker, shared=bool(args.storage))
+    keep_one_experiment(study, space, base)
     optimise(study, optuna, args.trials, lambda t: run_trial(t, base, space, sweep_dir, stage))
     for w in workers:
         w.wait()
