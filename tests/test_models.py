@@ -9,6 +9,7 @@ from rlhflab.core.algorithms import logprobs_from_logits
 from rlhflab.experience.cast import build_cast
 from rlhflab.experience.rewards import (
     CallableReward,
+    CompositeReward,
     FunctionReward,
     ModelReward,
     RewardBatch,
@@ -194,6 +195,20 @@ def test_function_reward_errors_name_the_function():
         CallableReward(lambda p, r: [[1.0, 2.0], [3.0, 4.0]], name="grid")(batch)
     with pytest.raises(RewardError, match="module:function"):
         FunctionReward("just_a_name")
+    # an empty dict added 0 to every score: trained on nothing, silently
+    with pytest.raises(RewardError, match="empty returned an empty dict"):
+        CallableReward(lambda p, r: {}, name="empty")(batch)
+    with pytest.raises(RewardError, match="names must be non-empty strings, got 3"):
+        CallableReward(lambda p, r: {3: [1.0, 2.0]}, name="int")(batch)
+    # two sources giving one component: both counted, but the log kept only one
+    both = CompositeReward(
+        [
+            (CallableReward(lambda p, r: {"x": [1.0, 1.0]}, name="a"), 1.0),
+            (CallableReward(lambda p, r: {"x": [2.0, 2.0]}, name="b"), 1.0),
+        ]
+    )
+    with pytest.raises(RewardError, match="'x' comes from both a and b"):
+        both(batch)
 
 
 def cast_config(**over):

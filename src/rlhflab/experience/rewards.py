@@ -188,6 +188,17 @@ class CallableReward:
                 f"reward function {self.name} raised {type(exc).__name__}: {exc}"
             ) from exc
         parts = out if isinstance(out, dict) else {self.name: out}
+        if not parts:  # else it adds 0 to every score and trains on nothing, silently
+            raise RewardError(
+                f"reward function {self.name} returned an empty dict: no component to score "
+                "the answers with"
+            )
+        odd = [k for k in parts if not isinstance(k, str) or not k]
+        if odd:
+            raise RewardError(
+                f"reward function {self.name}: component names must be non-empty strings, "
+                f"got {odd[0]!r}"
+            )
         return {name: self._check(name, vals, len(batch.prompts)) for name, vals in parts.items()}
 
     def _check(self, name, values, n) -> torch.Tensor:
@@ -284,9 +295,18 @@ class CompositeReward:
 
     def __call__(self, batch: RewardBatch) -> RewardOutput:
         components: dict[str, torch.Tensor] = {}
+        owner: dict[str, str] = {}  # component → the source that gave it
         total = torch.zeros(len(batch.prompts))
         for source, weight in self.sources:
             parts = source(batch)
+            name = getattr(source, "name", repr(source))
+            clash = sorted(k for k in parts if k in owner)
+            if clash:  # both would count in the score, but the log and samples keep one
+                raise RewardError(
+                    f"reward component {clash[0]!r} comes from both {owner[clash[0]]} and "
+                    f"{name}: give one of them another name"
+                )
+            owner.update(dict.fromkeys(parts, name))
             if isinstance(weight, dict):
                 missing = [k for k in weight if k not in parts]
                 if missing:
