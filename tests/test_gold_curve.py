@@ -107,3 +107,20 @@ def test_story_of_a_still_rising_run_reports_no_fall():
     story = gold_story(*_run(40, peak_at=39, fall=0.0), smoothing=0.8)
     assert not story["fell"] and story["best_iteration"] >= 36
     assert gold_story([], [], [], [], 0.8) == {}
+
+
+def test_a_batch_without_a_proxy_score_keeps_its_gold():
+    """Rows whose proxy scores were all skipped (NaN) still measured gold: they used to be
+    dropped whole, so the verdict said "no gold" beside a gold chart, or ended its gold
+    line one batch short of the chart's."""
+    its, gold, proxy, kl = _run(40, peak_at=20, fall=0.25)
+    holed = [math.nan if i in (10, 39) else p for i, p in zip(its, proxy)]
+    kl_holed = [math.nan if i == 39 else k for i, k in zip(its, kl)]
+    story = gold_story(its, gold, holed, kl_holed, smoothing=0.8)
+    whole = gold_story(its, gold, proxy, kl, smoothing=0.8)
+    assert story["final"] == whole["final"] and story["best"] == whole["best"]
+    assert story["fell"] and story["proxy_rose"]
+    assert story["fit"]["points"] == 39 and story["fit"]["final_kl"] == kl[-1]
+    none = gold_story(its, gold, [math.nan] * 40, kl, smoothing=0.8)
+    assert none["final"] == whole["final"]
+    assert none["proxy_final"] is None and none["proxy_rose"] is False

@@ -248,3 +248,25 @@ def test_demo_summary_names_the_final_and_the_best_policy():
     assert "  ppo: the final policy (iteration 40)" in text
     assert "best 0.620 at iteration 27, 0.530 at the end (a significant fall)" in text
     assert "gold peaks near KL 1.72; the run ended at KL 1.80" in text
+
+
+def test_a_killed_run_is_reported_as_unfinished_with_its_best_policy_found(tmp_path):
+    """run.json of a run killed mid-way holds only what its start wrote: the report said
+    "stopped because: it was done", "iterations: 40 of ?" and advised setting
+    log.keep_best beside the checkpoints/best the run had kept; skipped updates went
+    unmentioned."""
+    run = _write_run(tmp_path)
+    info = {"trainer": "PPO", "started": "2026-12-07T02:00:00Z", "finished": None, "total": 60}
+    (run / "run.json").write_text(json.dumps(info))
+    (run / "checkpoints" / "best").mkdir(parents=True)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows[-1]["faults/skipped_updates"] = 3
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = build_report(run).read_text(encoding="utf-8")
+    facts = text.split("<h2 id='run'>")[1].split("<h2")[0]
+    assert "<td>iterations</td><td>40 of 60</td>" in facts
+    assert "<td>stopped because</td><td>-</td>" in facts
+    assert "not finished (still running, or killed)" in facts
+    verdict = text.split("<section class='verdict", 1)[1].split("</section>")[0]
+    assert "it is kept in checkpoints/best" in verdict and "log.keep_best" not in verdict
+    assert "3 updates were skipped for a non-finite reward" in verdict

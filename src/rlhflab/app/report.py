@@ -287,8 +287,12 @@ def build_report(run_dir: str | Path) -> Path:
     smoothing = float((config.get("monitor") or {}).get("smoothing", 0.8))
     story = story_from_rows(rows, smoothing)
     if story:
-        kept = (info or {}).get("gold", {}).get("best_checkpoint")
-        story["best_checkpoint"] = kept if info else (run / "checkpoints" / "best").is_dir()
+        # run.json's word where it has one; a run killed before its end wrote none
+        recorded = (info or {}).get("gold") or {}
+        best = run / "checkpoints" / "best"
+        story["best_checkpoint"] = (
+            recorded["best_checkpoint"] if "best_checkpoint" in recorded else best.is_dir()
+        )
     trainer = (info or {}).get("trainer", "")
     name = "/".join(run.resolve().parts[-2:])
     sections = [("verdict", "Verdict"), ("alerts", "Alerts"), ("run", "The run")]

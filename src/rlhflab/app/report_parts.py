@@ -97,6 +97,13 @@ def verdict(rows: list[dict], alerts: list[dict], story: dict, summary: dict | N
     else:
         facts.append("<b>No monitor alert.</b>")
     last = rows[-1]
+    skipped = last.get("faults/skipped_updates")
+    if _finite(skipped) and skipped > 0:
+        worries.append(
+            f"{int(skipped)} update{'s were' if skipped > 1 else ' was'} skipped for a "
+            "non-finite reward, loss or gradient: the policy did not learn from those "
+            "batches (see the faults chart)."
+        )
     if _finite(last.get("objective/kl")):
         beta = last.get("objective/kl_coef")
         facts.append(
@@ -212,13 +219,19 @@ def run_facts(info: dict | None, rows: list[dict], run: Path) -> str:
             f"dates, versions or machine. The logged phases took {logged:.0f} s.</p>"
         )
     wall = info.get("wall_s")
+    ended = bool(info.get("finished"))
+    logged = max((r.get("iteration") or 0 for r in rows), default=0)
+    if not ended:
+        why = "-"  # run.json is written again only when the run ends
+    else:
+        why = info.get("stop_reason") or info.get("error") or "it was done"
     pairs = [
         ("trainer", info.get("trainer")),
         ("started", info.get("started")),
         ("finished", info.get("finished") or "not finished (still running, or killed)"),
         ("wall time", f"{wall:.0f} s ({wall / 60:.1f} min)" if _finite(wall) else "-"),
-        ("iterations", f"{info.get('steps', len(rows))} of {info.get('total', '?')}"),
-        ("stopped because", info.get("stop_reason") or info.get("error") or "it was done"),
+        ("iterations", f"{info.get('steps', logged)} of {info.get('total', '?')}"),
+        ("stopped because", why),
         ("rlhflab", info.get("rlhflab")),
         ("torch", info.get("torch")),
         ("python", info.get("python")),

@@ -124,6 +124,20 @@ def _noise_of_ema(values: Sequence[float], smoothing: float) -> float:
     return math.sqrt(sigma2 * (1 - smoothing) / (1 + smoothing))
 
 
+def ema_of_finite(values: Sequence[float], smoothing: float) -> list[float]:
+    """:func:`ema` over the finite values of ``values`` (N,), read at every position (N,):
+    NaN before the first finite one; a non-finite value (a batch whose proxy scores were
+    skipped) leaves the average where it was."""
+    out: list[float] = []
+    for x in values:
+        last = out[-1] if out else math.nan
+        if not math.isfinite(x):
+            out.append(last)
+        else:
+            out.append(x if math.isnan(last) else smoothing * last + (1 - smoothing) * x)
+    return out
+
+
 def gold_story(
     iterations: Sequence[int],
     gold: Sequence[float],
@@ -132,24 +146,28 @@ def gold_story(
     smoothing: float,
 ) -> dict:
     """What the gold reward did over a run, from N logged iterations: ``iterations`` (N,),
-    ``gold`` (N,) the batch's mean gold reward, ``proxy`` (N,) its mean proxy score and
-    ``kl`` (N,) its KL to the reference (nats per answer; a sampled k1 estimate, clipped at
-    0 for the fit). All four describe the same policy: the one that sampled the batch.
+    ``gold`` (N,) the batch's mean gold reward (finite), ``proxy`` (N,) its mean proxy
+    score and ``kl`` (N,) its KL to the reference (nats per answer; a sampled k1 estimate,
+    clipped at 0 for the fit); proxy and KL may be NaN where a batch had none (its proxy
+    scores were not finite), and are then left out of their averages and of the fit. All
+    four describe the same policy: the one that sampled the batch.
 
     Returns a JSON-ready dict: the smoothed (:func:`ema`) gold at the start, best and end
     with the best's iteration; ``drop`` (best − end) against ``noise`` (the EMA's standard
     deviation, :func:`_noise_of_ema`); ``fell``: the drop exceeds two standard deviations of
     a difference of two EMA values (2·√2·noise); the smoothed proxy at the best and at the
-    end, and ``proxy_rose``: it ended above its value at the best; and ``fit``: Gao et
-    al.'s curve through (√KL, gold) with its predicted peak, or None. Empty dict when N = 0."""
+    end (None where no finite proxy came before), and ``proxy_rose``: it ended above its
+    value at the best; and ``fit``: Gao et al.'s curve through (√KL, gold) with its
+    predicted peak, or None. Empty dict when N = 0."""
     if not gold:
         return {}
-    g, p = ema(gold, smoothing), ema(proxy, smoothing)
+    g, p = ema(gold, smoothing), ema_of_finite(proxy, smoothing)
     best = max(range(len(g)), key=lambda i: g[i])  # the first of equal maxima
     noise = _noise_of_ema(gold, smoothing)
     drop = g[best] - g[-1]
-    d = [math.sqrt(max(k, 0.0)) for k in kl]
-    fit = fit_gao(d, gold)
+    with_kl = [i for i, k in enumerate(kl) if math.isfinite(k)]
+    d = [math.sqrt(max(kl[i], 0.0)) for i in with_kl]
+    fit = fit_gao(d, [gold[i] for i in with_kl])
     fitted = None
     if fit is not None:
         fitted = asdict(fit)
@@ -159,7 +177,7 @@ def gold_story(
             if peak is None
             else {"d": peak[0], "kl": peak[1], "gold": fit.baseline + peak[2], "gain": peak[2]}
         )
-        fitted["final_kl"] = max(kl[-1], 0.0)
+        fitted["final_kl"] = max(kl[with_kl[-1]], 0.0)
         fitted["past_peak"] = peak is not None and d[-1] > peak[0]
     return {
         "smoothing": smoothing,
@@ -171,26 +189,30 @@ def gold_story(
         "drop": drop,
         "noise": noise,
         "fell": bool(drop > 2 * math.sqrt(2) * noise),
-        "proxy_at_best": p[best],
-        "proxy_final": p[-1],
-        "proxy_rose": bool(p[-1] > p[best]),
+        "proxy_at_best": None if math.isnan(p[best]) else p[best],
+        "proxy_final": None if math.isnan(p[-1]) else p[-1],
+        "proxy_rose": bool(p[-1] > p[best]),  # False where either is NaN
         "fit": fitted,
     }
 
 
 def story_from_rows(rows: Sequence[dict], smoothing: float) -> dict:
-    """:func:`gold_story` of metrics.jsonl rows: those with a finite ``monitor/gold``,
-    ``objective/scores`` and ``objective/kl`` (empty dict when there are none)."""
-    keys = ("monitor/gold", "objective/scores", "objective/kl")
-    good = [
-        r
-        for r in rows
-        if all(isinstance(r.get(k), (int, float)) and math.isfinite(r[k]) for k in keys)
-    ]
+    """:func:`gold_story` of metrics.jsonl rows: those with a finite ``monitor/gold``, their
+    ``objective/scores`` and ``objective/kl`` NaN where not finite (a batch whose proxy
+    scores were skipped still measured its gold); empty dict when there are none."""
+    good = [r for r in rows if _finite(r.get("monitor/gold"))]
+
+    def column(key: str) -> list[float]:
+        return [float(r[key]) if _finite(r.get(key)) else math.nan for r in good]
+
     return gold_story(
         [r["iteration"] for r in good],
-        [r["monitor/gold"] for r in good],
-        [r["objective/scores"] for r in good],
-        [r["objective/kl"] for r in good],
+        column("monitor/gold"),
+        column("objective/scores"),
+        column("objective/kl"),
         smoothing,
     )
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -150,6 +150,7 @@ class RunLoop:
             "trainer": self.name,
             "started": old.get("started") or runinfo.now(),
             "finished": None,
+            "total": self.total,  # a report of a killed run still knows what it aimed at
             "wall_s_before": (old.get("wall_s") or 0.0) if resume_step is not None else 0.0,
             **({"resumed_at": resume_step} if resume_step is not None else {}),
             **runinfo.machine_facts(),
