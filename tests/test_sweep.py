@@ -208,3 +208,17 @@ def test_a_sweep_killed_mid_trial_resumes_to_its_total(tmp_path):
     states = [t["state"] for t in rows]
     assert states.count("complete") == 3 and len(rows) == 4
     assert states[1] in ("running", "fail")  # the killed trial: never counted
+
+
+def test_the_objective_chart_keeps_a_negative_labels_minus_sign_in_the_picture():
+    """The y labels are right-aligned before the axis; at a 40 px margin -0.00833 lost its
+    minus sign and first digits off the picture's left edge, reading as positive."""
+    import re
+
+    from rlhflab.app.sweep_report import _svg_over_trials
+
+    svg = _svg_over_trials([{"number": 0, "value": -0.00833}, {"number": 1, "value": -0.0167}])
+    labels = re.findall(r'<text x="([\d.]+)"[^>]*text-anchor="end"[^>]*>([^<]+)</text>', svg)
+    assert sorted(t for _, t in labels) == ["-0.00833", "-0.0167"]
+    for x, text in labels:  # font-size 11: at most ~0.6 em a character
+        assert float(x) - 0.6 * 11 * len(text) >= 0, (x, text)

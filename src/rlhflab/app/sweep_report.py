@@ -102,13 +102,15 @@ def _svg_over_trials(rows: list[dict]) -> str:
     points = [(r["number"], r["value"]) for r in rows if r["value"] is not None]
     if not points:
         return "<p>No finished trial yet.</p>"
-    w, h, pad = 600, 220, 40
+    # left: room for a label such as -0.00833 right-aligned before the axis (at 40 px
+    # the minus sign and first digits fell off the picture)
+    w, h, pad, left = 600, 220, 40, 72
     xs, ys = [p[0] for p in points], [p[1] for p in points]
     x0, x1 = min(xs), max(max(xs), min(xs) + 1)
     y0, y1 = min(ys), max(ys)
     if math.isclose(y0, y1):
         y0, y1 = y0 - 0.5, y1 + 0.5
-    sx = lambda x: pad + (x - x0) / (x1 - x0) * (w - 2 * pad)  # noqa: E731
+    sx = lambda x: left + (x - x0) / (x1 - x0) * (w - left - pad)  # noqa: E731
     sy = lambda y: h - pad - (y - y0) / (y1 - y0) * (h - 2 * pad)  # noqa: E731
     dots = "".join(
         f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="4" fill="#1f77b4"><title>trial {x}: {y:.4g}</title></circle>'
@@ -124,13 +126,13 @@ def _svg_over_trials(rows: list[dict]) -> str:
         for x in sorted(xs)[::step]
     )
     axes = (
-        f'<line x1="{pad}" y1="{h - pad}" x2="{w - pad}" y2="{h - pad}" stroke="#888"/>'
-        f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{h - pad}" stroke="#888"/>'
+        f'<line x1="{left}" y1="{h - pad}" x2="{w - pad}" y2="{h - pad}" stroke="#888"/>'
+        f'<line x1="{left}" y1="{pad}" x2="{left}" y2="{h - pad}" stroke="#888"/>'
         f'<text x="{w / 2}" y="{h - 6}" text-anchor="middle" font-size="12">trial</text>'
         f'<text x="12" y="{h / 2}" text-anchor="middle" font-size="12" '
         f'transform="rotate(-90 12 {h / 2})">objective</text>'
-        f'<text x="{pad - 4}" y="{sy(y1):.1f}" text-anchor="end" font-size="11">{y1:.3g}</text>'
-        f'<text x="{pad - 4}" y="{sy(y0):.1f}" text-anchor="end" font-size="11">{y0:.3g}</text>'
+        f'<text x="{left - 4}" y="{sy(y1):.1f}" text-anchor="end" font-size="11">{y1:.3g}</text>'
+        f'<text x="{left - 4}" y="{sy(y0):.1f}" text-anchor="end" font-size="11">{y0:.3g}</text>'
         + ticks
     )
     return (
