@@ -270,3 +270,18 @@ def test_a_killed_run_is_reported_as_unfinished_with_its_best_policy_found(tmp_p
     verdict = text.split("<section class='verdict", 1)[1].split("</section>")[0]
     assert "it is kept in checkpoints/best" in verdict and "log.keep_best" not in verdict
     assert "3 updates were skipped for a non-finite reward" in verdict
+
+
+def test_a_one_iteration_run_draws_its_points_and_gives_no_all_clear(tmp_path):
+    """A line through one point draws nothing: every chart of a one-iteration run looked
+    empty, under a green "No sign of reward hacking" verdict drawn from one batch."""
+    run = tmp_path / "ppo"
+    run.mkdir()
+    row = {"iteration": 1, "objective/scores": 0.5, "objective/kl": 0.0, "monitor/gold": 0.3}
+    (run / "metrics.jsonl").write_text(json.dumps({**row, "policy/loss": -0.01}) + "\n")
+    text = build_report(run).read_text(encoding="utf-8")
+    loss = text.split("<figcaption>Policy loss")[1].split("</figure>")[0]
+    assert "<circle" in loss
+    verdict = text.split("<section class='verdict", 1)[1].split("</section>")[0]
+    assert "too short" in verdict and "Too few iterations (1)" in verdict
+    assert "No sign of reward hacking" not in verdict

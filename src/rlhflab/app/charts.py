@@ -246,4 +246,9 @@ def _draw(s: Series, pts, color: str, i: int, sx, sy, smooth: float | None) -> l
         f'<polyline fill="none" stroke="{color}" stroke-width="2"{dash} points="{path}" '
         f'data-s="{i}"/>'
     )
+    if len(pts) == 1:  # a line through one point draws nothing: a one-iteration run
+        ((x, y),) = pts
+        out.append(
+            f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="3.5" fill="{color}" data-s="{i}"/>'
+        )
     return out

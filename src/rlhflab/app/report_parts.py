@@ -22,6 +22,10 @@ HACKING_SIGNALS = {
     "reward_length_corr",
     "gold_drop",
 }
+# below this many logged iterations the verdict gives no all-clear: the monitor's EMA
+# (smoothing 0.8) weighs a batch ~3 batches back at half, so no fall can stand out of the
+# noise yet (a one-iteration run read "looks healthy")
+TOO_FEW_TO_JUDGE = 5
 
 
 def esc(v) -> str:
@@ -144,6 +148,12 @@ def verdict(rows: list[dict], alerts: list[dict], story: dict, summary: dict | N
             )
     if worries:
         tone, sentence = "bad", "".join(f"<p class='say'>{w}</p>" for w in worries)
+    elif len(rows) < TOO_FEW_TO_JUDGE:
+        tone = "warn" if alerts else "short"
+        sentence = (
+            f"<p class='say'>Too few iterations ({len(rows)}) to judge the run: a trend in "
+            "the gold or proxy reward needs more batches than this.</p>"
+        )
     elif story:
         tone = "warn" if alerts else "good"
         sentence = (
@@ -156,7 +166,13 @@ def verdict(rows: list[dict], alerts: list[dict], story: dict, summary: dict | N
             "<p class='say'>No gold reward (monitor.gold) to check the proxy against: the "
             "monitor's signals are the only check.</p>"
         )
-    badge = {"bad": "needs a look", "warn": "alerts", "good": "looks healthy", "none": "no gold"}
+    badge = {
+        "bad": "needs a look",
+        "warn": "alerts",
+        "good": "looks healthy",
+        "none": "no gold",
+        "short": "too short",
+    }
     items = "".join(f"<li>{f}</li>" for f in facts)
     return (
         f"<section class='verdict {tone}' id='verdict'><h2>Verdict <span class='badge'>"
