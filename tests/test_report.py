@@ -285,3 +285,33 @@ def test_a_one_iteration_run_draws_its_points_and_gives_no_all_clear(tmp_path):
     verdict = text.split("<section class='verdict", 1)[1].split("</section>")[0]
     assert "too short" in verdict and "Too few iterations (1)" in verdict
     assert "No sign of reward hacking" not in verdict
+
+
+def test_a_dpo_run_report_draws_what_it_logged_and_judges_no_reward(tmp_path):
+    """A DPO run's report drew only its learning rate, told a gold-and-proxy story it has
+    no data for, and guessed samples_per_log = 0 for the samples it never takes."""
+    run = tmp_path / "dpo"
+    run.mkdir()
+    rows = [
+        {
+            "iteration": i,
+            "loss": 0.7 - 0.05 * i,
+            "rewards/chosen": 0.1 * i,
+            "rewards/rejected": -0.1 * i,
+            "rewards/margin": 0.2 * i,
+            "rewards/accuracy": 0.5 + 0.05 * i,
+            "lr/policy": 1e-5,
+        }
+        for i in range(1, 7)
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    info = {"trainer": "DPO", "started": "2026-12-07T02:00:00Z", "finished": None, "total": 6}
+    (run / "run.json").write_text(json.dumps(info))
+    text = build_report(run).read_text(encoding="utf-8")
+    for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/margin"):
+        assert f"<figcaption>{key}</figcaption>" in text, key
+    verdict = text.split("<section class='verdict", 1)[1].split("</section>")[0]
+    assert "no reward" in verdict and "gold" in verdict and "monitor alert" not in verdict
+    assert "<b>Loss</b>: 0.650 → 0.400" in verdict
+    assert "<b>Preference accuracy</b>: 0.550 → 0.800" in verdict
+    assert "a DPO run samples no answers" in text and "samples_per_log = 0?" not in text

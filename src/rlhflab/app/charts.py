@@ -89,6 +89,7 @@ class Series:
     dashed: bool = False
     dots: bool = False  # points, not a line
     note: str = ""  # said after the name in the legend
+    source: str = ""  # the logged metric it plots, if one (the report's bookkeeping)
 
 
 @dataclass

@@ -33,7 +33,7 @@ _STAGES = {"PPO": "ppo", "GRPO": "grpo", "RLOO": "rloo", "DPO": "dpo", "SFT": "s
 
 
 def _series(rows: list[dict], key: str, name: str | None = None, **kw) -> Series:
-    return Series(name or key, [(r["iteration"], r.get(key)) for r in rows], **kw)
+    return Series(name or key, [(r["iteration"], r.get(key)) for r in rows], source=key, **kw)
 
 
 def _has(rows: list[dict], key: str) -> bool:
@@ -313,7 +313,9 @@ def build_report(run_dir: str | Path) -> Path:
         body.append(over)
     curves = []
     best = story.get("best_iteration") if story else None
-    for i, (heading, charts) in enumerate(curve_groups(rows, alerts, config, best)):
+    groups = curve_groups(rows, alerts, config, best)
+    groups.append(("Other logged metrics", S.other_charts(rows, groups)))
+    for i, (heading, charts) in enumerate(groups):
         drawn = [c.html() for c in charts]
         if any(drawn):
             curves.append(f"<h3 id='c{i}'>{html.escape(heading)}</h3><div class='g'>")
@@ -321,7 +323,7 @@ def build_report(run_dir: str | Path) -> Path:
     sections.append(("curves", "Curves"))
     body.append("<h2 id='curves'>Curves</h2>" + "".join(curves))
     sections.append(("samples", "Samples"))
-    body.append(S.samples_section(samples, config))
+    body.append(S.samples_section(samples, config, trainer))
     checks = S.rm_checks(config, run)
     if checks:
         sections.append(("rm", "Reward model checks"))

@@ -62,6 +62,8 @@ def verdict(rows: list[dict], alerts: list[dict], story: dict, summary: dict | N
     """The report's first block: what the run did to gold and proxy reward, its best
     iteration, its alerts, its final KL, the over-optimisation fit, and a plain sentence
     when reward hacking is suspected."""
+    if not story and not any("objective/scores" in r for r in rows):
+        return _verdict_without_reward(rows)
     facts, worries = [], []
     if story:
         a = story["smoothing"]
@@ -177,6 +179,23 @@ def verdict(rows: list[dict], alerts: list[dict], story: dict, summary: dict | N
     return (
         f"<section class='verdict {tone}' id='verdict'><h2>Verdict <span class='badge'>"
         f"{badge[tone]}</span></h2>{sentence}<ul>{items}</ul></section>"
+    )
+
+
+def _verdict_without_reward(rows: list[dict]) -> str:
+    """The verdict of a run that scores no sampled answers (DPO, SFT, a reward model): no
+    gold or proxy story to tell; its first and last loss, and a DPO run's accuracy."""
+    facts = []
+    for key, what in (("loss", "Loss"), ("rewards/accuracy", "Preference accuracy")):
+        seen = [r[key] for r in rows if _finite(r.get(key))]
+        if seen:
+            facts.append(f"<b>{what}</b>: {seen[0]:.3f} → {seen[-1]:.3f}")
+    items = "".join(f"<li>{f}</li>" for f in facts)
+    return (
+        "<section class='verdict' id='verdict'><h2>Verdict <span class='badge'>no reward"
+        "</span></h2><p class='say'>This run scores no sampled answers, so there is no gold "
+        "or proxy reward to judge it by and no reward-hacking monitor; every logged metric "
+        f"is under Curves.</p><ul>{items}</ul></section>"
     )
 
 

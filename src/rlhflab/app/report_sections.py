@@ -8,6 +8,7 @@ from pathlib import Path
 
 import yaml
 
+from rlhflab.app.charts import Chart, Series
 from rlhflab.app.report_parts import esc, num, table
 from rlhflab.infra.runlog import read_json
 
@@ -168,13 +169,18 @@ def _span(its: list[int]) -> str:
     return f"Iterations {its[0]}–{its[-1]} ({len(its)} logged)"
 
 
-def samples_section(samples: list[dict], config: dict) -> str:
+def samples_section(samples: list[dict], config: dict, trainer: str = "") -> str:
     """Sample answers with their proxy score and its parts, gold reward and KL, beside the
     reference's answer to the same prompt where the run sampled it: the first and last
     logged iterations open, the ones between folded."""
     head = "<h2 id='samples'>Samples</h2>"
     if not samples:
-        return head + "<p>No samples logged (log.samples_per_log = 0?).</p>"
+        n = (config.get("log") or {}).get("samples_per_log")
+        if n == 0:
+            return head + "<p>No samples logged: log.samples_per_log is 0.</p>"
+        if trainer in ("DPO", "SFT", "RM"):
+            return head + f"<p>No samples: a {trainer} run samples no answers.</p>"
+        return head + "<p>No samples logged (every log.sample_every iterations).</p>"
     names = sorted({k for s in samples for k in (s.get("components") or {})})
     weights = head_weights(config, names)
     by_it: dict[int, list[dict]] = {}
@@ -212,3 +218,23 @@ def samples_section(samples: list[dict], config: dict) -> str:
             "and monitor.reference_every = 0 does not sample them.</p>"
         )
     return out
+
+
+def other_charts(rows: list[dict], groups: list[tuple[str, list[Chart]]]) -> list[Chart]:
+    """One chart per logged metric that no chart of ``groups`` draws (a DPO run's loss and
+    preference accuracy, a metric a newer trainer adds): every number a run logs can be
+    seen in its report."""
+    drawn = {s.source for _, charts in groups for c in charts for s in c.series}
+    keys = sorted(
+        {
+            k
+            for r in rows
+            for k, v in r.items()
+            if k != "iteration" and isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
+        - drawn
+    )
+    return [
+        Chart(k, [Series(k, [(r["iteration"], r.get(k)) for r in rows], source=k)], k)
+        for k in keys
+    ]
