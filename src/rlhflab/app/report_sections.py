@@ -235,6 +235,5 @@ def other_charts(rows: list[dict], groups: list[tuple[str, list[Chart]]]) -> lis
         - drawn
     )
     return [
-        Chart(k, [Series(k, [(r["iteration"], r.get(k)) for r in rows], source=k)], k)
-        for k in keys
+        Chart(k, [Series(k, [(r["iteration"], r.get(k)) for r in rows], source=k)], k) for k in keys
     ]
