@@ -53,7 +53,7 @@ def test_ppo_from_python_with_a_model_object_a_lambda_and_a_prompt_list(tmp_path
     seen = []
     trainer = rlhflab.PPOTrainer(
         model,
-        reward=lambda prompts, responses: [len(r) / 10 for r in responses],
+        reward={(lambda prompts, responses: [len(r) / 10 for r in responses]): 2.0},
         prompts=PROMPTS,
         tokenizer=tokenizer,
         overrides=FAST,
@@ -77,6 +77,11 @@ def test_ppo_from_python_with_a_model_object_a_lambda_and_a_prompt_list(tmp_path
     assert [r["prompt"] for r in rows] == PROMPTS
     saved = yaml.safe_load((tmp_path / "run/config.yaml").read_text())
     assert saved["reward"]["functions"] == {}  # a lambda cannot be named in a file
+    # but its weight is kept beside the run, and the report shows it
+    from rlhflab.app.report import build_report
+
+    report = build_report(tmp_path / "run").read_text(encoding="utf-8")
+    assert "&lt;lambda&gt; <small>× 2</small>" in report
     # so the command line, which cannot bring it, refuses to resume the run
     from rlhflab.app.cli import main
 

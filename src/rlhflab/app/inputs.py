@@ -299,7 +299,9 @@ def note_python_rewards(run_dir: Path, extra, gold) -> None:
         path.unlink(missing_ok=True)
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(path, json.dumps({"rewards": names}))
+    # and their weights, which no config.yaml holds: the report shows a part's weight
+    weights = {source.name: w for source, w in extra if isinstance(w, (int, float))}
+    write_text_atomic(path, json.dumps({"rewards": names, "weights": weights}))
 
 
 def refuse_resume_without_python_rewards(run_dir: str | Path) -> None:

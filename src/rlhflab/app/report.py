@@ -56,13 +56,19 @@ def _thresholds(config: dict) -> dict[str, tuple[float, str]]:
 # Long (about 90 lines) because it is the list of charts in the order the page shows them,
 # grouped under headings; each chart is one Chart(...) call.
 def curve_groups(
-    rows: list[dict], alerts: list[dict], config: dict, best: int | None = None
+    rows: list[dict],
+    alerts: list[dict],
+    config: dict,
+    best: int | None = None,
+    python: dict[str, float] | None = None,
 ) -> list[tuple[str, list]]:
     """[(heading, [Chart])]: every logged curve, grouped, in reading order; ``best``: the
-    iteration of the best smoothed gold, marked on the gold chart."""
+    iteration of the best smoothed gold, marked on the gold chart; ``python``: the weights
+    of Python API rewards (:func:`report_sections.python_reward_weights`)."""
     smooth = float((config.get("monitor") or {}).get("smoothing", 0.8))
     heads = sorted({k for r in rows for k in r if k.startswith("objective/scores/")})
-    weights = S.head_weights(config, [h.removeprefix("objective/scores/") for h in heads])
+    names = [h.removeprefix("objective/scores/") for h in heads]
+    weights = S.head_weights(config, names, python)
     inside = [h for h in heads if weights[h.removeprefix("objective/scores/")] is not None]
     outside = [h for h in heads if h not in inside]
 
@@ -213,54 +219,6 @@ def curve_groups(
     ]
 
 
-def overoptimisation(rows: list[dict], story: dict) -> str:
-    """Gold against √KL with Gao et al.'s fitted curve and its predicted peak."""
-    fit = story.get("fit") if story else None
-    if not fit:
-        return ""
-    pts = [
-        (math.sqrt(max(r["objective/kl"], 0.0)), r["monitor/gold"])
-        for r in rows
-        if isinstance(r.get("objective/kl"), (int, float)) and _finite(r.get("monitor/gold"))
-    ]
-    peak = fit.get("peak")
-    d_max = max(d for d, _ in pts)
-    top = d_max * 1.05 if peak is None else max(d_max, min(peak["d"] * 1.15, 2 * d_max))
-    curve = []
-    for i in range(61):
-        d = top * i / 60
-        gain = 0.0 if d <= 0 else d * (fit["alpha"] - fit["beta"] * math.log(d))
-        curve.append((d, fit["baseline"] + gain))
-    marks = []
-    if peak is not None and peak["d"] <= top:
-        marks.append((peak["d"], f"predicted peak: √KL {peak['d']:.2f} (KL {peak['kl']:.2f})"))
-    chart = Chart(
-        "Gold reward against the distance from the reference",
-        [
-            Series("each iteration", pts, dots=True),
-            Series("fit: g0 + d(α − β ln d)", curve),
-        ],
-        "gold reward",
-        x_title="d = √KL (√nats per answer)",
-        x_from_zero=True,
-        marks=marks,
-    ).html()
-    where = (
-        "no peak: the fitted gain never turns down (β ≤ 0)"
-        if peak is None
-        else f"predicted peak gold {peak['gold']:.3f} at KL {peak['kl']:.2f} nats "
-        f"(d* = exp(α/β − 1) = {peak['d']:.2f}); the run ended at KL {fit['final_kl']:.2f}"
-    )
-    text = (
-        f"<p>Gao, Schulman &amp; Hilton (2022) found that under RL against a proxy reward the "
-        f"gold reward follows g0 + d(α − β ln d) in d = √KL. Least squares over "
-        f"{fit['points']} iterations: α = {fit['alpha']:.3f}, β = {fit['beta']:.3f}, "
-        f"g0 = {fit['baseline']:.3f}, residual {fit['rmse']:.3f} (one batch's noise); "
-        f"{where}.</p>"
-    )
-    return f"<h2 id='overopt'>Over-optimisation</h2>{text}<div class='one'>{chart}</div>"
-
-
 def _finite(v) -> bool:
     return isinstance(v, (int, float)) and math.isfinite(v)
 
@@ -307,13 +265,14 @@ def build_report(run_dir: str | Path) -> Path:
     if compare:
         sections.append(("compare", "Methods compared"))
         body.append("<h2 id='compare'>Methods compared</h2>" + P.compare_table(compare))
-    over = overoptimisation(rows, story)
+    over = S.overoptimisation(rows, story)
     if over:
         sections.append(("overopt", "Over-optimisation"))
         body.append(over)
     curves = []
     best = story.get("best_iteration") if story else None
-    groups = curve_groups(rows, alerts, config, best)
+    python = S.python_reward_weights(run)
+    groups = curve_groups(rows, alerts, config, best, python)
     groups.append(("Other logged metrics", S.other_charts(rows, groups)))
     for i, (heading, charts) in enumerate(groups):
         drawn = [c.html() for c in charts]
@@ -323,7 +282,7 @@ def build_report(run_dir: str | Path) -> Path:
     sections.append(("curves", "Curves"))
     body.append("<h2 id='curves'>Curves</h2>" + "".join(curves))
     sections.append(("samples", "Samples"))
-    body.append(S.samples_section(samples, config, trainer))
+    body.append(S.samples_section(samples, config, trainer, python))
     checks = S.rm_checks(config, run)
     if checks:
         sections.append(("rm", "Reward model checks"))

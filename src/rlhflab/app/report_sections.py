@@ -4,12 +4,13 @@ tables are in :mod:`~.report_parts`); each returns an HTML fragment."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import yaml
 
 from rlhflab.app.charts import Chart, Series
-from rlhflab.app.report_parts import esc, num, table
+from rlhflab.app.report_parts import _finite, esc, num, table
 from rlhflab.infra.runlog import read_json
 
 
@@ -119,13 +120,28 @@ def _show(v) -> str:
     return "null" if v is None else str(v)
 
 
-def head_weights(config: dict, names: list[str]) -> dict[str, float | None]:
+def python_reward_weights(run: Path) -> dict[str, float]:
+    """The weights of the rewards a Python caller passed as callables no config can name
+    (RUN/inputs/python_rewards.json, by component name); {} where there are none."""
+    path = run / "inputs" / "python_rewards.json"
+    try:
+        weights = json.loads(path.read_text(encoding="utf-8")).get("weights") or {}
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return {k: float(v) for k, v in weights.items() if isinstance(v, (int, float))}
+
+
+def head_weights(
+    config: dict, names: list[str], python: dict[str, float] | None = None
+) -> dict[str, float | None]:
     """Each reward component's weight in the optimised score, None for one outside it: a
     reward-model head ``rm/<h>`` is in it when reward.heads names it (or is empty: every
-    head, weight 1); a reward function's parts carry its reward.functions weight; a part
-    the config cannot place (a Python API reward) counts as in it, weight unknown (nan)."""
+    head, weight 1); a reward function's parts carry its reward.functions weight (or, for a
+    Python API callable, its weight in ``python``); a part neither can place counts as in
+    it, weight unknown (nan)."""
     reward = config.get("reward") or {}
-    heads, functions = reward.get("heads") or {}, reward.get("functions") or {}
+    heads = reward.get("heads") or {}
+    functions = {**(python or {}), **(reward.get("functions") or {})}
     out: dict[str, float | None] = {}
     for name in names:
         if name.startswith("rm/"):
@@ -169,7 +185,9 @@ def _span(its: list[int]) -> str:
     return f"Iterations {its[0]}–{its[-1]} ({len(its)} logged)"
 
 
-def samples_section(samples: list[dict], config: dict, trainer: str = "") -> str:
+def samples_section(
+    samples: list[dict], config: dict, trainer: str = "", python: dict | None = None
+) -> str:
     """Sample answers with their proxy score and its parts, gold reward and KL, beside the
     reference's answer to the same prompt where the run sampled it: the first and last
     logged iterations open, the ones between folded."""
@@ -182,7 +200,7 @@ def samples_section(samples: list[dict], config: dict, trainer: str = "") -> str
             return head + f"<p>No samples: a {trainer} run samples no answers.</p>"
         return head + "<p>No samples logged (every log.sample_every iterations).</p>"
     names = sorted({k for s in samples for k in (s.get("components") or {})})
-    weights = head_weights(config, names)
+    weights = head_weights(config, names, python)
     by_it: dict[int, list[dict]] = {}
     for s in samples:
         by_it.setdefault(s["iteration"], []).append(s)
@@ -237,3 +255,51 @@ def other_charts(rows: list[dict], groups: list[tuple[str, list[Chart]]]) -> lis
     return [
         Chart(k, [Series(k, [(r["iteration"], r.get(k)) for r in rows], source=k)], k) for k in keys
     ]
+
+
+def overoptimisation(rows: list[dict], story: dict) -> str:
+    """Gold against √KL with Gao et al.'s fitted curve and its predicted peak."""
+    fit = story.get("fit") if story else None
+    if not fit:
+        return ""
+    pts = [
+        (math.sqrt(max(r["objective/kl"], 0.0)), r["monitor/gold"])
+        for r in rows
+        if isinstance(r.get("objective/kl"), (int, float)) and _finite(r.get("monitor/gold"))
+    ]
+    peak = fit.get("peak")
+    d_max = max(d for d, _ in pts)
+    top = d_max * 1.05 if peak is None else max(d_max, min(peak["d"] * 1.15, 2 * d_max))
+    curve = []
+    for i in range(61):
+        d = top * i / 60
+        gain = 0.0 if d <= 0 else d * (fit["alpha"] - fit["beta"] * math.log(d))
+        curve.append((d, fit["baseline"] + gain))
+    marks = []
+    if peak is not None and peak["d"] <= top:
+        marks.append((peak["d"], f"predicted peak: √KL {peak['d']:.2f} (KL {peak['kl']:.2f})"))
+    chart = Chart(
+        "Gold reward against the distance from the reference",
+        [
+            Series("each iteration", pts, dots=True),
+            Series("fit: g0 + d(α − β ln d)", curve),
+        ],
+        "gold reward",
+        x_title="d = √KL (√nats per answer)",
+        x_from_zero=True,
+        marks=marks,
+    ).html()
+    where = (
+        "no peak: the fitted gain never turns down (β ≤ 0)"
+        if peak is None
+        else f"predicted peak gold {peak['gold']:.3f} at KL {peak['kl']:.2f} nats "
+        f"(d* = exp(α/β − 1) = {peak['d']:.2f}); the run ended at KL {fit['final_kl']:.2f}"
+    )
+    text = (
+        f"<p>Gao, Schulman &amp; Hilton (2022) found that under RL against a proxy reward the "
+        f"gold reward follows g0 + d(α − β ln d) in d = √KL. Least squares over "
+        f"{fit['points']} iterations: α = {fit['alpha']:.3f}, β = {fit['beta']:.3f}, "
+        f"g0 = {fit['baseline']:.3f}, residual {fit['rmse']:.3f} (one batch's noise); "
+        f"{where}.</p>"
+    )
+    return f"<h2 id='overopt'>Over-optimisation</h2>{text}<div class='one'>{chart}</div>"
