@@ -154,7 +154,8 @@ def test_export_refuses_a_folder_that_is_not_empty(runs, tmp_path, capsys):
     (out / "keep.txt").write_text("mine")
     assert main(["export", str(runs["full"]), str(out)]) == 2
     assert error_line(capsys) == (
-        f"error: {out}: exists and is not empty; choose another folder or pass --force"
+        f"error: {out}: exists and is not empty; choose another folder or pass --force "
+        "(force=True from Python)"
     )
     assert (out / "keep.txt").read_text() == "mine"
     assert main(["export", str(runs["full"]), str(tmp_path / "new"), "--adapter"]) == 2

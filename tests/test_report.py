@@ -315,3 +315,20 @@ def test_a_dpo_run_report_draws_what_it_logged_and_judges_no_reward(tmp_path):
     assert "<b>Loss</b>: 0.650 → 0.400" in verdict
     assert "<b>Preference accuracy</b>: 0.550 → 0.800" in verdict
     assert "a DPO run samples no answers" in text and "samples_per_log = 0?" not in text
+
+
+def test_cosmetics_of_settings_and_runs_with_nothing_logged(tmp_path):
+    """A relative default recorded absolute is not the user's setting; a run killed
+    before its first iteration is said as that, not as 'is this a run directory?'."""
+    from rlhflab.app.report_sections import config_section
+
+    config = {"sft": {"output_dir": str(tmp_path / "runs" / "sft")}, "seed": 3}
+    own = config_section(config, {"sft.output_dir": "runs/sft", "seed": 0}).split("<details>")[0]
+    assert "seed" in own and "sft.output_dir" not in own
+    elsewhere = {"sft": {"output_dir": "/data/other"}}
+    assert "sft.output_dir" in config_section(elsewhere, {"sft.output_dir": "runs/sft"})
+    run = tmp_path / "killed"
+    run.mkdir()
+    (run / "config.yaml").write_text("seed: 3\n")
+    with pytest.raises(FileNotFoundError, match="no iteration logged yet"):
+        build_report(run)

@@ -232,9 +232,14 @@ def _read(path: Path):
 def build_report(run_dir: str | Path) -> Path:
     run = Path(run_dir)
     metrics_path = run / "metrics.jsonl"
+    rows = read_jsonl(metrics_path) if metrics_path.exists() else []
+    if not rows and ((run / "run.json").is_file() or (run / "config.yaml").is_file()):
+        raise FileNotFoundError(
+            f"{run}: a run with no iteration logged yet (still before the end of its first, "
+            "or stopped before it): nothing to report"
+        )
     if not metrics_path.exists():
         raise FileNotFoundError(f"{run}: no metrics.jsonl — is this a run directory?")
-    rows = read_jsonl(metrics_path)
     if not rows:
         raise FileNotFoundError(f"{run}: metrics.jsonl is empty")
     alerts = read_jsonl(run / "alerts.jsonl") if (run / "alerts.jsonl").exists() else []

@@ -76,7 +76,7 @@ def config_section(config: dict, defaults: dict) -> str:
     """The settings that differ from the defaults first, then the whole config folded
     (non-ASCII shown as text)."""
     mine = [(k, v, defaults.get(k, "(no default)")) for k, v in _flat(config).items()]
-    mine = [(k, v, d) for k, v, d in mine if v != d]
+    mine = [(k, v, d) for k, v, d in mine if v != d and not _default_made_absolute(v, d)]
     rows = [[k, _show(v), _show(d)] for k, v, d in mine]
     text = yaml.safe_dump(config, sort_keys=False, allow_unicode=True)
     lines = text.count("\n")
@@ -90,6 +90,15 @@ def config_section(config: dict, defaults: dict) -> str:
         f"defaults)</h3>{own}<details><summary>The whole config ({lines} lines, as "
         f"config.yaml holds it)</summary><pre>{esc(text)}</pre></details>"
     )
+
+
+def _default_made_absolute(value, default) -> bool:
+    """A run records its folder settings absolute (config.PATH_FIELDS): a relative default
+    such as ``runs/sft`` comes back as ``/where/it/ran/runs/sft``, which the user never set."""
+    if not (isinstance(value, str) and isinstance(default, str)) or not default:
+        return False
+    v, d = Path(value), Path(default)
+    return v.is_absolute() and not d.is_absolute() and v.parts[-len(d.parts) :] == d.parts
 
 
 def _flat(config: dict) -> dict:

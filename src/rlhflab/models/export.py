@@ -57,7 +57,10 @@ def check_out_dir(
     if out.exists() and not out.is_dir():
         raise error(f"{out}: exists and is not a folder")
     if out.is_dir() and any(out.iterdir()) and not force:
-        raise error(f"{out}: exists and is not empty; choose another folder or pass --force")
+        raise error(
+            f"{out}: exists and is not empty; choose another folder or pass --force "
+            "(force=True from Python)"
+        )
 
 
 def replace_folder(tmp: Path, out: Path) -> None:
