@@ -185,7 +185,9 @@ def test_a_sweep_killed_mid_trial_resumes_to_its_total(tmp_path):
         # kill -9 once trial 0 is done and trial 1 is running
         time.sleep(0.5)
         try:
-            study = optuna.load_study(study_name="sw", storage=storage)
+            # reading only: creating the tables here raced the sweep's own CREATE TABLE
+            reader = optuna.storages.RDBStorage(storage, skip_table_creation=True)
+            study = optuna.load_study(study_name="sw", storage=reader)
             states = [t.state for t in study.get_trials(deepcopy=False)]
         except Exception as exc:  # the database or the study is not created yet
             error = exc

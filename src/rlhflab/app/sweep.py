@@ -345,9 +345,11 @@ def run_sweep(args) -> dict:
     sweep_dir.mkdir(parents=True, exist_ok=True)
     storage = args.storage or f"sqlite:///{(sweep_dir / 'study.db').resolve()}"
     check_storage(storage)
-    workers = [] if args.worker else _spawn_workers(args, sweep_dir, storage, name)
+    # the study (and a new storage's tables) made before any worker opens it: J processes
+    # creating one SQLite schema at once can fail in SQLAlchemy's CREATE TABLE
     study = open_study(optuna, storage, name, cfg, args.worker, shared=bool(args.storage))
     keep_one_experiment(study, space, base)
+    workers = [] if args.worker else _spawn_workers(args, sweep_dir, storage, name)
     optimise(study, optuna, args.trials, lambda t: run_trial(t, base, space, sweep_dir, stage))
     for w in workers:
         w.wait()
