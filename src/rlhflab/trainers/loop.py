@@ -244,16 +244,7 @@ class RunLoop:
         stale = [p for p in stale if p.exists()]
         if not stale:
             return
-        kept = (self.run_dir / "checkpoints").resolve()
-        for sec, name in PATH_FIELDS:
-            values = (self.config.get(sec) or {}).get(name)
-            for value in values if isinstance(values, list) else [values]:
-                if isinstance(value, str) and kept in Path(value).resolve().parents:
-                    raise ConfigError(
-                        f"{sec}.{name}: {value} is inside {kept}, which starting afresh in "
-                        f"{self.run_dir} would delete; give this run another log.output_dir "
-                        "(or --resume the old one)"
-                    )
+        self._refuse_reading_from_checkpoints("delete")
         log.warning(
             "%s holds an earlier run: starting afresh replaces its checkpoints and logs "
             "(--resume would have continued it)",
@@ -273,7 +264,12 @@ class RunLoop:
         found = [self.run_dir / n for n in names if (self.run_dir / n).exists()]
         if not any(_holds_something(p) for p in found):
             return
-        aside = self.run_dir / time.strftime("earlier-%Y%m%d-%H%M%S", time.gmtime())
+        self._refuse_reading_from_checkpoints("move")
+        stamp = time.strftime("earlier-%Y%m%d-%H%M%S", time.gmtime())
+        aside, n = self.run_dir / stamp, 1
+        while aside.exists():  # two restarts within a second
+            n += 1
+            aside = self.run_dir / f"{stamp}-{n}"
         aside.mkdir()
         for p in found:
             p.rename(aside / p.name)
@@ -285,6 +281,20 @@ class RunLoop:
             self.run_dir,
             aside,
         )
+
+    def _refuse_reading_from_checkpoints(self, verb: str) -> None:
+        """Never delete or move the checkpoints a setting of this run reads from (a
+        ``model.policy`` in ``RUN/checkpoints/best``)."""
+        kept = (self.run_dir / "checkpoints").resolve()
+        for sec, name in PATH_FIELDS:
+            values = (self.config.get(sec) or {}).get(name)
+            for value in values if isinstance(values, list) else [values]:
+                if isinstance(value, str) and kept in Path(value).resolve().parents:
+                    raise ConfigError(
+                        f"{sec}.{name}: {value} is inside {kept}, which starting afresh in "
+                        f"{self.run_dir} would {verb}; give this run another "
+                        "log.output_dir (or --resume the old one)"
+                    )
 
     def _record(self, runlog, step: int, metrics: dict) -> None:
         runlog.metrics(step, metrics)
