@@ -405,3 +405,38 @@ def test_keep_best_saves_on_every_rank_together(tmp_path, strategy):
     state = torch.load(run / "checkpoints" / "best" / "state.pt", weights_only=True)
     assert state["world"] == 2 and state["iteration"] == story["best_iteration"] - 1
     assert story["best_checkpoint"] == str(run / "checkpoints" / "best")
+
+
+def test_an_error_on_one_rank_alone_ends_the_run_with_its_line(tmp_path):
+    """A reward function that raises on rank 1's answers only: rank 1 used to wait in the
+    exit barrier for rank 0, which waited for it in the iteration's collective — a silent
+    hang until gloo's 30-minute timeout. Now the failed rank says its error and exits, and
+    torchrun ends the other."""
+    (tmp_path / "flaky.py").write_text(
+        "import os\n"
+        "calls = []\n"
+        "def reward(prompts, responses):\n"
+        "    calls.append(1)\n"
+        "    if os.environ['RANK'] == '1' and len(calls) == 2:\n"
+        "        raise ValueError('reward service down')\n"
+        "    return [0.0] * len(responses)\n"
+    )
+    config = tmp_path / "ppo.yaml"
+    config.write_text(
+        "device: cpu\n"
+        "model: {policy: 'preset:nano', value_model: separate}\n"
+        "reward: {functions: {'flaky:reward': 1.0}}\n"
+        "rollout: {prompts_per_iteration: 8, max_new_tokens: 4}\n"
+        "ppo: {iterations: 4, epochs: 1, minibatches: 1}\n"
+        f"log: {{output_dir: '{tmp_path / 'run'}', progress: false}}\n"
+    )
+    path = os.pathsep.join([str(ROOT / "src"), str(ROOT)])
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "RLHFLAB_ALLOCATOR": "system"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    cmd += ["--standalone", "-m", "rlhflab", "ppo", "--config", str(config)]
+    done = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    ours = [line for line in done.stderr.splitlines() if line.startswith("error")]
+    assert ours == [
+        "error (rank 1): reward function flaky:reward raised ValueError: reward service down"
+    ], done.stderr[-4000:]

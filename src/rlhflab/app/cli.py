@@ -318,6 +318,14 @@ def user_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
+def per_rank_errors() -> tuple[type[BaseException], ...]:
+    """User errors that one rank can meet alone, on its own answers or rows."""
+    from rlhflab.experience.data import DataError
+    from rlhflab.experience.rewards import RewardError
+
+    return (RewardError, DataError)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -350,10 +358,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = COMMANDS[args.command](args)
     except user_errors() as exc:
-        # under torchrun every rank meets the same user error (same config, same files, and
-        # halts decided on metrics averaged over ranks): rank 0 says it, once
-        if int(os.environ.get("RANK", "0")) == 0:
+        # under torchrun every rank meets the same config, file and model errors (and halts
+        # are decided on metrics averaged over ranks): rank 0 says them, once. A reward
+        # function or a data row fails on one rank's own share: every rank says those
+        rank = int(os.environ.get("RANK", "0"))
+        if rank == 0:
             print(f"error: {exc}", file=sys.stderr)
+        elif isinstance(exc, per_rank_errors()):
+            print(f"error (rank {rank}): {exc}", file=sys.stderr)
         code = 2
     except KeyboardInterrupt:
         # Ctrl-C: checkpoints and result files are written whole or not at all, so what is
@@ -365,9 +377,10 @@ def main(argv: list[str] | None = None) -> int:
         code = 130
     from rlhflab.infra.distributed import exit_without_teardown, shutdown_distributed
 
-    # under torchrun: leave the process group; as the command line, then also skip the
-    # interpreter's teardown, where gloo's threads can abort a finished run
-    if shutdown_distributed() and argv is None:
+    # under torchrun: leave the process group (a failed rank without waiting for the
+    # others: shutdown_distributed); as the command line, then also skip the interpreter's
+    # teardown, where gloo's threads can abort a finished run
+    if shutdown_distributed(wait=code == 0) and (argv is None or code != 0):
         exit_without_teardown(code)
     return code
 

@@ -107,12 +107,19 @@ def init_distributed(device_name: str = "auto") -> DistContext:
     return DistContext(rank, world, local, device)
 
 
-def shutdown_distributed() -> bool:
+def shutdown_distributed(wait: bool = True) -> bool:
     """Leave the process group at the end of a run: every rank waits for the others, then
-    destroys it. True when there was a group to leave (see :func:`exit_without_teardown`)."""
+    destroys it. True when there was a group to leave (see :func:`exit_without_teardown`).
+
+    ``wait=False``, for a rank that failed: no barrier and no teardown of the group. An
+    error one rank alone meets (its reward function raised on its answers) leaves the
+    others inside the iteration's next collective; a barrier here would wait for them as
+    they wait for it, until gloo's 30-minute timeout. The caller exits at once instead,
+    and torchrun's agent ends the other ranks."""
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+        if wait:
+            dist.barrier()
+            dist.destroy_process_group()
         return True
     return False
 
