@@ -271,8 +271,17 @@ def test_overrides_outputs_and_weights_that_were_tracebacks_or_silent_are_one_li
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "hi"}\n')
     (tmp_path / "adir").mkdir()
+    run = tmp_path / "run"  # a run's own files: its log replaced, or a config.json added
+    run.mkdir()
+    (run / "config.yaml").write_text("seed: 0\n")
+    (run / "metrics.jsonl").write_text('{"iteration": 1}\n')
     gen = ["generate", "--model", "preset:nano", "--prompts", str(prompts)]
+    ev = ["eval", "--model", "preset:nano", "--prompts", str(prompts), "--out"]
+    owned = "is a file {} is read by"
     for args, said in (
+        ([*gen, "--out", str(run / "metrics.jsonl")], owned.format(run)),
+        ([*ev, str(run / "metrics.json")], owned.format(run)),
+        ([*ev, str(run / "config.json")], owned.format(run)),
         (["memory", "ppo.lr=[1"], "override 'ppo.lr=[1': the value is not valid YAML"),
         ([*gen, "--out", str(tmp_path / "adir")], "a folder; name the file to write"),
         ([*gen, "--out", str(prompts)], "the prompt file itself"),
@@ -282,6 +291,7 @@ def test_overrides_outputs_and_weights_that_were_tracebacks_or_silent_are_one_li
         assert main(args) == 2, args
         assert said in capsys.readouterr().err.strip().splitlines()[-1], args
     assert prompts.read_text() == '{"prompt": "hi"}\n'
+    assert sorted(p.name for p in run.iterdir()) == ["config.yaml", "metrics.jsonl"]
     config = tmp_path / "c.yaml"
     config.write_text("ppo:\n  # iterations: 3\n")
     cfg = load_config(config, overrides=["ppo.iterations=1"], stage="sft")

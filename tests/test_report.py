@@ -332,3 +332,13 @@ def test_cosmetics_of_settings_and_runs_with_nothing_logged(tmp_path):
     (run / "config.yaml").write_text("seed: 3\n")
     with pytest.raises(FileNotFoundError, match="no iteration logged yet"):
         build_report(run)
+
+
+def test_a_metrics_file_that_is_not_a_runs_log_is_one_line(tmp_path):
+    from rlhflab.infra.runlog import RunLogError
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"iteration": 1}\n{"prompt": "hi", "answer": "a"}\n')
+    with pytest.raises(RunLogError, match=r"metrics.jsonl: row 2 has no iteration"):
+        build_report(run)

@@ -97,13 +97,42 @@ def rollouts(
         )
 
 
+# files a run directory or a model folder is read by: an answers file or summary written
+# under one of these names would replace a run's log, or turn a run into a "model folder"
+OWNED_NAMES = frozenset(
+    {
+        "metrics.jsonl",
+        "samples.jsonl",
+        "alerts.jsonl",
+        "run.json",
+        "config.yaml",
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "summary.json",
+        "compare.json",
+        "sweep.json",
+    }
+)
+
+
 def _check_out(out: Path, prompts: str | None) -> None:
-    """An output file that would fail only once the work is done (a folder), or that
-    would overwrite the prompts being read, is refused first."""
+    """An output file that would fail only once the work is done (a folder), would
+    overwrite the prompts being read, or would take the name of a file a run or model
+    folder is read by (``RUN/metrics.jsonl``), is refused first."""
     if out.is_dir():
         raise ConfigError(f"--out {out}: a folder; name the file to write")
     if prompts and out.exists() and out.resolve() == Path(prompts).expanduser().resolve():
         raise ConfigError(f"--out {out}: the prompt file itself; name another file")
+    folder = out.parent
+    owned = (folder / "config.yaml").is_file() or (folder / "config.json").is_file()
+    if out.name in OWNED_NAMES and (owned or out.exists()):
+        raise ConfigError(
+            f"--out {out}: {out.name} is a file {folder} is read by (a run's log or config, "
+            "or a model's); name another file"
+        )
 
 
 def _check_room(src: PolicySource, prompts: list[str], max_new_tokens: int) -> None:

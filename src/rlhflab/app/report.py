@@ -242,6 +242,9 @@ def build_report(run_dir: str | Path) -> Path:
         raise FileNotFoundError(f"{run}: no metrics.jsonl — is this a run directory?")
     if not rows:
         raise FileNotFoundError(f"{run}: metrics.jsonl is empty")
+    for n, row in enumerate(rows, start=1):
+        if not isinstance(row.get("iteration"), int) or isinstance(row["iteration"], bool):
+            raise RunLogError(f"{metrics_path}: row {n} has no iteration: not a run's log")
     alerts = read_jsonl(run / "alerts.jsonl") if (run / "alerts.jsonl").exists() else []
     samples = read_jsonl(run / "samples.jsonl") if (run / "samples.jsonl").exists() else []
     config = _config(run)
