@@ -134,6 +134,11 @@ def test_refuses_a_folder_that_is_not_empty_unless_forced(built, tmp_path, capsy
     assert _run(capsys, path, out, "--force")[0] == 0
     assert (out / "config.json").exists() and not (out / "notes.txt").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]  # nothing left aside
+    # --force onto the folder that holds the GGUF file itself deleted it: refused
+    (out / "in.gguf").write_bytes(path.read_bytes())
+    code, errors = _run(capsys, out / "in.gguf", out, "--force")
+    assert code == 2 and "would delete" in errors[0]
+    assert (out / "in.gguf").read_bytes() == path.read_bytes()
 
 
 def test_missing_file(tmp_path, capsys):

@@ -200,7 +200,7 @@ def convert_gguf(src: str | Path, out: str | Path, dtype: str = "fp32", force: b
     if dtype not in DTYPES:
         raise GGUFError(f"--dtype: {dtype!r} is not one of {sorted(DTYPES)}")
     info = inspect_gguf(src)
-    check_out_dir(out, force, GGUFError)
+    check_out_dir(out, force, GGUFError, protect=(src,))  # never a folder holding the GGUF
     types = ", ".join(f"{n} {t}" for t, n in sorted(info["types"].items()))
     log.info(
         "reading %s: %s, %d tensors (%s), %.1f MB",
