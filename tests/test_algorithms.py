@@ -219,6 +219,10 @@ def test_group_and_rloo_advantages_match_loop():
             assert rloo[k * G + i].item() == pytest.approx(grp[i] - others, rel=1e-10, abs=1e-14)
     equal = torch.ones(8, dtype=torch.float64)
     assert torch.equal(A.group_advantages(equal, 4), torch.zeros(8, dtype=torch.float64))
+    # eps = 0: an equal group was 0/0 = NaN, which halted the run as a "non-finite loss"
+    zero_eps = A.group_advantages(torch.cat([equal[:4], s[4:8]]), 4, eps=0.0)
+    assert torch.equal(zero_eps[:4], torch.zeros(4, dtype=torch.float64))
+    assert torch.isfinite(zero_eps).all() and zero_eps[4:].abs().sum() > 0
     with pytest.raises(ValueError, match="groups of 5"):
         A.group_advantages(s, 5)
     with pytest.raises(ValueError, match=">= 2"):

@@ -145,6 +145,9 @@ def test_reused_training_forward_replaces_the_scoring_forward(tmp_path):
 def test_grpo_config_errors_name_the_field(tmp_path):
     with pytest.raises(ConfigError, match=r"grpo\.group_size"):
         grpo_cfg(tmp_path, "grpo.group_size=3")
+    with pytest.raises(ConfigError, match=r"grpo\.eps: must be > 0 while grpo.normalize_std"):
+        grpo_cfg(tmp_path, "grpo.eps=0")
+    grpo_cfg(tmp_path, "grpo.eps=0", "grpo.normalize_std=false")  # nothing divides then
     with pytest.raises(ConfigError, match=r"model\.value_model"):
         grpo_cfg(tmp_path, "model.value_model=shared")
     with pytest.raises(ConfigError, match=r"model\.value_model: PPO needs a critic"):

@@ -159,6 +159,12 @@ def validate(cfg: Config, stage: str = "ppo", reward_given: bool = False) -> Con
                 f"grpo.group_size: {cfg.grpo.group_size} does not divide "
                 f"rollout.prompts_per_iteration={cfg.rollout.prompts_per_iteration}"
             )
+        if estimator == "grpo" and cfg.grpo.normalize_std and cfg.grpo.eps <= 0:
+            raise ConfigError(
+                "grpo.eps: must be > 0 while grpo.normalize_std divides by the group's std: "
+                "a group of nearly equal scores (greedy sampling, a saturated reward) would "
+                "have its rounding noise scaled up to whole advantages"
+            )
     if cfg.rollout.prompts_per_iteration % cfg.ppo.minibatches:
         raise ConfigError(
             f"ppo.minibatches: {cfg.ppo.minibatches} does not divide "

@@ -20,7 +20,9 @@ class GRPOConfig:
         "Divide by the group's std (DSM). False centres only: Dr. GRPO's fix for the "
         "difficulty bias (pair it with ppo.loss_agg=seq-mean-token-sum-norm).",
     )
-    eps: float = setting(1e-6, "Added to the group std (verl 1e-6).", low=0.0)
+    eps: float = setting(
+        1e-6, "Added to the group std (verl 1e-6); > 0 while normalize_std is on.", low=0.0
+    )
 
 
 @dataclass

@@ -312,11 +312,14 @@ def group_advantages(
     prompt 0, then prompt 1, ...). Returns (N,); broadcast it over each answer's tokens.
     The std is the unbiased one (torch's default; G is small, so this matters).
     ``normalize_std=False`` only centres — DrGRPO's fix for the difficulty bias.
+    A group of equal scores (std exactly 0) carries no signal: its advantages are 0, also
+    with ``eps = 0``, where the division would be 0/0.
     """
     g = _grouped(scores, group_size)
     centred = g - g.mean(dim=1, keepdim=True)
     if normalize_std:
-        centred = centred / (g.std(dim=1, unbiased=True, keepdim=True) + eps)
+        std = g.std(dim=1, unbiased=True, keepdim=True)
+        centred = torch.where(std > 0, centred / (std + eps), torch.zeros_like(centred))
     return centred.reshape(-1)
 
 
