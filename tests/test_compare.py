@@ -46,3 +46,24 @@ def test_compare_writes_one_row_per_method_and_the_report_shows_it(tmp_path):
     assert "| dpo |" in (run / "compare.md").read_text()
     html = (run / "grpo" / "report.html").read_text()
     assert "Methods compared" in html and "rloo" in html
+
+
+def test_a_method_that_cannot_run_is_said_before_training_in_one_line(tmp_path, capsys):
+    """A setting only GRPO refuses was found after SFT, the reward model and the whole PPO
+    run (minutes); and a method's user error came back as the worker's traceback."""
+    import pytest
+
+    from rlhflab.app.compare import worker_main
+    from rlhflab.config import ConfigError, load_config
+    from rlhflab.config.base import to_dict
+
+    with pytest.raises(ConfigError, match=r"grpo.group_size: 3 does not divide"):
+        run_compare("quick", 3, tmp_path, [*SMALL, "grpo.group_size=3"], progress=False)
+    assert not (tmp_path / "compare-quick-s3" / "sft").exists()
+    bad = to_dict(load_config(reward_given=True))
+    bad["ppo"]["minibatches"] = 5  # refused by the worker's own check of its config
+    with pytest.raises(SystemExit) as stop:
+        worker_main(["ppo", json.dumps(bad), "4"])
+    assert stop.value.code == 2
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and said[0].startswith("error: ppo.minibatches: 5 does not divide")

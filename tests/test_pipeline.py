@@ -274,3 +274,25 @@ def test_rm_check_checks_a_model_it_did_not_train(tmp_path, capsys, nano_rm):
     # without reward.model there is nothing to check: one clear line, status 2
     assert main(["rm", "--check", f"log.output_dir={out}"]) == 2
     assert "set reward.model" in capsys.readouterr().err
+
+
+def test_the_demos_overrides_reach_its_sft_stage_and_rm_ppo_start_from_it(tmp_path):
+    """The demo's SFT stage took only sft.* and log.* from the overrides: with
+    model.policy=preset:nano data.task=add it trained preset:tiny on the mixed task, and
+    RM and PPO started from a fresh nano model instead of the SFT one."""
+    from rlhflab.app.demo import demo_config, sft_stage_config
+    from rlhflab.config import ConfigError
+
+    extra = ["model.policy=preset:nano", "data.task=add", "threads=1", "sft.steps=7"]
+    sft = sft_stage_config("quick", 0, tmp_path, extra)
+    assert (sft.model.policy, sft.data.task, sft.threads, sft.sft.steps) == (
+        "preset:nano",
+        "add",
+        1,
+        7,
+    )
+    run, cfg = demo_config("quick", 0, tmp_path, extra)
+    assert cfg.model.policy == str(run / "sft") and cfg.reward.model == str(run / "rm")
+    assert (cfg.data.task, cfg.threads) == ("add", 1)
+    with pytest.raises(ConfigError, match=r"reward.model: set by the pipeline"):
+        demo_config("quick", 0, tmp_path, ["reward.model=/my/rm"])

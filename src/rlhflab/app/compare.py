@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from rlhflab.app.tables import COMPARE_COLUMNS, cell
-from rlhflab.config import Config, validate
+from rlhflab.config import Config, ConfigError, validate
 from rlhflab.config import base as configbase
 from rlhflab.infra.files import write_text_atomic
 
@@ -39,6 +39,20 @@ def method_config(cfg: Config, method: str, run: Path) -> Config:
         d["model"]["value_model"] = "none"
         d["dpo"]["pairs"] = d["rm"]["pairs"]
     return validate(configbase.build(Config, d), method)
+
+
+def worker_main(argv: list[str]) -> None:
+    """A method's process: its row as JSON on stdout; a user error as one ``error:`` line
+    on stderr and status 2 (the parent says it as its own)."""
+    from rlhflab.app.cli import user_errors
+
+    method, config_json, eval_prompts = argv
+    try:
+        row = worker(method, config_json, int(eval_prompts))
+    except user_errors() as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    print(json.dumps(row))
 
 
 def worker(method: str, config_json: str, eval_prompts: int) -> dict:
@@ -112,8 +126,7 @@ def run_compare(
     ``extra`` are config overrides applied to every stage (``ppo.iterations=5``);
     ``eval_prompts`` defaults to the preset's held-out set size.
     """
-    from rlhflab.app.demo import _COMMON, PRESETS, demo_config
-    from rlhflab.config import load_config
+    from rlhflab.app.demo import PRESETS, demo_config, sft_stage_config
     from rlhflab.trainers.rm import train_rm
     from rlhflab.trainers.sft import train_sft
 
@@ -123,23 +136,28 @@ def run_compare(
     cfg.sft.output_dir, cfg.rm.output_dir = str(run / "sft"), str(run / "rm")
     cfg.model.policy, cfg.reward.model = str(run / "sft"), str(run / "rm")
     cfg.log.progress = progress and cfg.log.progress
-    sft_cfg = load_config(base=_COMMON, overrides=[f"seed={seed}"], stage="sft")
-    sft_cfg.sft, sft_cfg.log = cfg.sft, cfg.log
+    # every method's settings checked before SFT and the reward model train (minutes)
+    configs = {method: method_config(cfg, method, run) for method in METHODS}
+    sft_cfg = sft_stage_config(preset, seed, Path(out_root), extra)
+    sft_cfg.sft.output_dir, sft_cfg.log.progress = cfg.sft.output_dir, cfg.log.progress
     train_sft(sft_cfg)
     train_rm(cfg)
     rows = []
     for method in METHODS:
-        mc = method_config(cfg, method, run)
         args = [
             sys.executable,
             "-c",
-            "import sys, json; from rlhflab.app.compare import worker; "
-            "print(json.dumps(worker(sys.argv[1], sys.argv[2], int(sys.argv[3]))))",
+            "import sys; from rlhflab.app.compare import worker_main; worker_main(sys.argv[1:])",
             method,
-            json.dumps(configbase.to_dict(mc)),
+            json.dumps(configbase.to_dict(configs[method])),
             str(eval_prompts or PRESETS[preset]["eval_prompts"]),
         ]
         done = subprocess.run(args, capture_output=True, text=True)
+        said = done.stderr.strip().splitlines()[-1:] if done.stderr.strip() else []
+        if done.returncode == 2 and said and said[0].startswith("error: "):
+            # a user error (a reward function that raised, a halt): one line, as the
+            # commands say theirs
+            raise ConfigError(f"compare: {method}: {said[0].removeprefix('error: ')}")
         if done.returncode != 0:
             raise RuntimeError(f"compare: {method} failed:\n{done.stderr[-2000:]}")
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))

@@ -88,24 +88,52 @@ PRESETS: dict[str, dict] = {
 COLUMNS = DEMO_COLUMNS
 
 
-def demo_config(preset: str, seed: int, out_root: str | Path = "runs", extra=None):
-    """The resolved config of a demo preset, with every stage's output in the run folder."""
-    if preset not in PRESETS:
-        from rlhflab.config import ConfigError
+# where each stage's output goes, which the pipeline sets (under --out) and wires together
+SET_BY_THE_PIPELINE = ("sft.output_dir", "rm.output_dir", "log.output_dir", "reward.model")
 
+
+def _stage_overrides(preset: str, seed: int, run: Path, extra) -> list[str]:
+    """The preset's overrides, the stages' folders under ``run``, then the user's
+    ``extra`` — which reach every stage, the SFT stage included."""
+    from rlhflab.config import ConfigError
+
+    if preset not in PRESETS:
         raise ConfigError(f"--preset: unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
-    run = Path(out_root) / f"{preset}-s{seed}"
+    for item in extra or []:
+        key = str(item).partition("=")[0].strip()
+        if key in SET_BY_THE_PIPELINE:
+            raise ConfigError(
+                f"{key}: set by the pipeline (each stage's output goes under --out, and PPO "
+                "scores with the reward model it trained); choose the folder with --out"
+            )
     overrides = {
         **PRESETS[preset]["overrides"],
         "seed": seed,
         "sft.output_dir": str(run / "sft"),
         "rm.output_dir": str(run / "rm"),
         "log.output_dir": str(run / "ppo"),
-        "model.policy": str(run / "sft"),
-        "reward.model": str(run / "rm"),
     }
-    items = [f"{k}={json.dumps(v)}" for k, v in overrides.items()] + list(extra or [])
+    return [f"{k}={json.dumps(v)}" for k, v in overrides.items()] + list(extra or [])
+
+
+def demo_config(preset: str, seed: int, out_root: str | Path = "runs", extra=None):
+    """The resolved config of a demo preset's reward-model and PPO stages, with every
+    stage's output in the run folder. Both start from the SFT stage's model, whatever
+    ``model.policy`` the user gave: that one is where SFT starts (:func:`sft_stage_config`)."""
+    run = Path(out_root) / f"{preset}-s{seed}"
+    items = _stage_overrides(preset, seed, run, extra)
+    items += [f"model.policy={json.dumps(str(run / 'sft'))}"]
+    items += [f"reward.model={json.dumps(str(run / 'rm'))}"]
     return run, load_config(base=_COMMON, overrides=items)
+
+
+def sft_stage_config(preset: str, seed: int, out_root: str | Path = "runs", extra=None):
+    """The SFT stage's config: the same preset and overrides as :func:`demo_config` (a
+    ``model.policy``, ``data.task``, ``device`` or ``threads`` given to the demo reach it
+    too), starting from the preset's model or the user's ``model.policy``."""
+    run = Path(out_root) / f"{preset}-s{seed}"
+    items = _stage_overrides(preset, seed, run, extra)
+    return load_config(base=_COMMON, overrides=items, stage="sft")
 
 
 def run_demo(
@@ -126,8 +154,8 @@ def run_demo(
 
     # Stage 1: SFT from the randomly initialised preset on the noisy teacher's answers.
     t0 = time.perf_counter()
-    sft_cfg = load_config(base=_COMMON, overrides=[f"seed={seed}"], stage="sft")
-    sft_cfg.sft, sft_cfg.log = cfg.sft, cfg.log
+    sft_cfg = sft_stage_config(preset, seed, out_root, extra)
+    sft_cfg.log.progress = cfg.log.progress
     sft = train_sft(sft_cfg)
     timing["sft"] = time.perf_counter() - t0
 

@@ -298,7 +298,7 @@ def preset_base(
     """(base config, stage, sweep folder, study name): the demo preset's PPO config, its SFT
     and reward models trained unless a previous start of the sweep left them whole."""
     from rlhflab.app.compare import method_config
-    from rlhflab.app.demo import _COMMON, demo_config
+    from rlhflab.app.demo import demo_config, sft_stage_config
     from rlhflab.trainers.rm import train_rm
     from rlhflab.trainers.sft import train_sft
 
@@ -309,8 +309,8 @@ def preset_base(
     cfg.sft.output_dir, cfg.rm.output_dir = str(base_dir / "sft"), str(base_dir / "rm")
     cfg.model.policy, cfg.reward.model = cfg.sft.output_dir, cfg.rm.output_dir
     if not _complete(base_dir / "sft"):
-        sft_cfg = load_config(base=_COMMON, overrides=[f"seed={seed}"], stage="sft")
-        sft_cfg.sft, sft_cfg.log = cfg.sft, cfg.log
+        sft_cfg = sft_stage_config(preset, seed, sweep_dir.parent, overrides)
+        sft_cfg.sft.output_dir, sft_cfg.log.progress = cfg.sft.output_dir, cfg.log.progress
         train_sft(sft_cfg)
     if not _complete(base_dir / "rm"):
         train_rm(cfg)
