@@ -43,7 +43,8 @@ def test_compare_writes_one_row_per_method_and_the_report_shows_it(tmp_path):
     assert counts["ppo"] == counts["grpo"] == counts["rloo"] == [16.0, 16.0]
     saved = json.loads((run / "compare.json").read_text())
     assert [r["method"] for r in saved["rows"]] == list(METHODS)
-    assert "| dpo |" in (run / "compare.md").read_text()
+    table_md = (run / "compare.md").read_text()
+    assert "| dpo |" in table_md and "| method | gold | proxy | accuracy |" in table_md
     html = (run / "grpo" / "report.html").read_text()
     assert "Methods compared" in html and "rloo" in html
 

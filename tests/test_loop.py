@@ -113,3 +113,6 @@ def test_resume_names_each_setting_that_changed(tmp_path, caplog):
     assert "the config differs from the run's: seed: 7 → 8" in caplog.text
     assert "ppo: '<unset>' → {'lr': 1e-05}" in caplog.text
     assert yaml.safe_load((tmp_path / "config.yaml").read_text())["seed"] == 8  # the new one
+    # and the settings the first steps ran with stay on record
+    (kept,) = tmp_path.glob("config.until-step-*.yaml")
+    assert yaml.safe_load(kept.read_text())["seed"] == 7

@@ -15,7 +15,7 @@ DEMO_COLUMNS = (
 )
 
 # one row per method of `rlhflab compare`
-COMPARE_COLUMNS = ("gold", "proxy", "kl_to_reference", "wall_s", "peak_mib", "models")
+COMPARE_COLUMNS = ("gold", "proxy", "accuracy", "kl_to_reference", "wall_s", "peak_mib", "models")
 
 # columns measured in units, not reward points: shown as whole numbers with the unit
 UNITS = {"wall_s": "s", "peak_mib": "MiB"}

@@ -226,8 +226,15 @@ class RunLoop:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         saved = self.run_dir / "config.yaml"
         if resume_step is not None and saved.is_file():
-            for line in config_changes(_read_yaml(saved), self.config):
+            changes = config_changes(_read_yaml(saved), self.config)
+            for line in changes:
                 log.warning("--resume: the config differs from the run's: %s", line)
+            if changes:  # config.yaml is replaced next: keep the settings the steps so far ran
+                kept = self.run_dir / f"config.until-step-{resume_step}.yaml"
+                shutil.copy2(saved, kept)
+                log.warning(
+                    "--resume: the settings of steps 1-%d are kept in %s", resume_step, kept
+                )
         if resume_step is None and asked_resume:
             self._set_earlier_run_aside()
         elif resume_step is None:
