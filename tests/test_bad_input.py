@@ -277,7 +277,7 @@ def test_overrides_outputs_and_weights_that_were_tracebacks_or_silent_are_one_li
     (run / "metrics.jsonl").write_text('{"iteration": 1}\n')
     gen = ["generate", "--model", "preset:nano", "--prompts", str(prompts)]
     ev = ["eval", "--model", "preset:nano", "--prompts", str(prompts), "--out"]
-    owned = "is a file {} is read by"
+    owned = "{} is a run or model folder, which reads"
     for args, said in (
         ([*gen, "--out", str(run / "metrics.jsonl")], owned.format(run)),
         ([*ev, str(run / "metrics.json")], owned.format(run)),
@@ -292,6 +292,12 @@ def test_overrides_outputs_and_weights_that_were_tracebacks_or_silent_are_one_li
         assert said in capsys.readouterr().err.strip().splitlines()[-1], args
     assert prompts.read_text() == '{"prompt": "hi"}\n'
     assert sorted(p.name for p in run.iterdir()) == ["config.yaml", "metrics.jsonl"]
+    # a folder that only holds the user's own config.yaml is no run: its names are free
+    mine = tmp_path / "project"
+    mine.mkdir()
+    (mine / "config.yaml").write_text("seed: 0\n")
+    assert main([*gen, "--out", str(mine / "samples.jsonl"), "rollout.max_new_tokens=2"]) == 0
+    assert main([*gen, "--out", str(mine / "samples.jsonl"), "rollout.max_new_tokens=2"]) == 0
     config = tmp_path / "c.yaml"
     config.write_text("ppo:\n  # iterations: 3\n")
     cfg = load_config(config, overrides=["ppo.iterations=1"], stage="sft")

@@ -1,5 +1,7 @@
 """RunLoop, the run around any trainer, on a job with no model: cadence, stop, resume."""
 
+import shutil
+
 import yaml
 
 from rlhflab.config import LogConfig
@@ -116,3 +118,20 @@ def test_resume_names_each_setting_that_changed(tmp_path, caplog):
     # and the settings the first steps ran with stay on record
     (kept,) = tmp_path.glob("config.until-step-*.yaml")
     assert yaml.safe_load(kept.read_text())["seed"] == 7
+
+
+def test_the_settings_history_keeps_its_first_copy_and_a_fresh_start_clears_it(tmp_path):
+    def run(seed: int, total: int, resume: bool):
+        log = LogConfig(output_dir=str(tmp_path), progress=False, checkpoint_every=2)
+        loop = RunLoop(tmp_path, total, log, {"seed": seed}, "Test", latest=newest)
+        return loop.run(CountingJob(tmp_path), resume=resume)
+
+    run(7, 2, False)  # steps 1-2 under seed 7
+    run(8, 3, True)  # resumed at 2 under seed 8: steps 1-2's settings kept
+    shutil.rmtree(tmp_path / "checkpoints" / "step-3")  # killed before step 3's checkpoint
+    run(9, 3, True)  # resumed at 2 again: steps 1-2 still ran under seed 7, not 8
+    kept = tmp_path / "config.until-step-2.yaml"
+    assert yaml.safe_load(kept.read_text())["seed"] == 7
+    (tmp_path / "tensorboard").mkdir()
+    run(7, 1, False)  # a fresh start: no history of the run it replaced
+    assert not kept.exists() and not (tmp_path / "tensorboard").exists()

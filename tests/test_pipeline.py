@@ -296,3 +296,7 @@ def test_the_demos_overrides_reach_its_sft_stage_and_rm_ppo_start_from_it(tmp_pa
     assert (cfg.data.task, cfg.threads) == ("add", 1)
     with pytest.raises(ConfigError, match=r"reward.model: set by the pipeline"):
         demo_config("quick", 0, tmp_path, ["reward.model=/my/rm"])
+    with pytest.raises(ConfigError, match=r"^sft: set by the pipeline"):
+        demo_config("quick", 0, tmp_path, ["sft={output_dir: /elsewhere, steps: 3}"])
+    whole = sft_stage_config("quick", 0, tmp_path, ["sft={steps: 3}"]).sft
+    assert (whole.steps, whole.output_dir) == (3, str(run / "sft"))  # the folder kept

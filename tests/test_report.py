@@ -342,3 +342,15 @@ def test_a_metrics_file_that_is_not_a_runs_log_is_one_line(tmp_path):
     (run / "metrics.jsonl").write_text('{"iteration": 1}\n{"prompt": "hi", "answer": "a"}\n')
     with pytest.raises(RunLogError, match=r"metrics.jsonl: row 2 has no iteration"):
         build_report(run)
+
+
+def test_a_gold_fall_without_a_finite_proxy_is_not_called_over_training(tmp_path):
+    run = _write_run(tmp_path)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        r["objective/scores"] = None  # every batch's proxy scores skipped
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    verdict = build_report(run).read_text(encoding="utf-8").split("<section class='verdict")[1]
+    verdict = verdict.split("</section>")[0]
+    assert "the proxy has no finite score there" in verdict
+    assert "fell with it" not in verdict and "Reward hacking suspected" not in verdict

@@ -71,6 +71,7 @@ def test_the_space_is_checked_before_any_trial():
         # settings each trial gets from the sweep: "best: sweep.method='grpo'" trained PPO
         ({"sweep.method": {"choices": ["grpo"]}}, "set by the sweep for every trial"),
         ({"log.output_dir": {"choices": ["a", "b"]}}, "set by the sweep for every trial"),
+        ({"sweep": {"choices": [{"method": "grpo"}]}}, "set by the sweep for every trial"),
     ):
         with pytest.raises(ConfigError, match=message):
             check_space(space, base)
@@ -88,8 +89,14 @@ def test_a_study_rerun_as_another_experiment_is_refused():
     study = optuna.create_study(study_name="s", direction="maximize")
     keep_one_experiment(study, space, base)  # the first start records it
     keep_one_experiment(study, space, base)
-    moved = {**base, "log": {**base["log"], "progress": False}, "threads": 2}
+    moved = {**base, "log": {**base["log"], "progress": False}, "threads": 2, "device": "cuda"}
     keep_one_experiment(study, space, moved)  # no trial's objective changes
+    # the same folders given relative or absolute are the same experiment
+    relative = {**base, "data": {**base["data"], "prompts": "p.jsonl"}}
+    other_study = optuna.create_study(study_name="r", direction="maximize")
+    keep_one_experiment(other_study, space, relative)
+    absolute = {**relative, "data": {**base["data"], "prompts": os.path.abspath("p.jsonl")}}
+    keep_one_experiment(other_study, space, absolute)
     other = check_space({"ppo.kl_coef": {"low": 0.01, "high": 0.1}}, base)
     with pytest.raises(ConfigError, match=r"another experiment \(space.ppo.kl_coef: '<unset>'"):
         keep_one_experiment(study, other, base)

@@ -37,8 +37,8 @@ def test_the_command_runs_under_torchrun_each_rank_on_the_allocator(tmp_path):
 
 
 def test_a_user_error_on_two_ranks_is_said_once_without_a_traceback(tmp_path):
-    # every rank meets the same refusal (here the per-rank split, before any model loads):
-    # rank 0 prints the one line, and every rank leaves the process group as on success
+    # every rank meets the same config refusal (here the per-rank split, before any model
+    # loads): rank 0 prints the one line, the others none; each leaves without the barrier
     config = tmp_path / "ppo.yaml"
     config.write_text(
         "device: cpu\n"

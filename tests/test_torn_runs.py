@@ -305,3 +305,15 @@ def test_resume_with_nothing_to_continue_sets_the_earlier_run_aside(tmp_path, ca
     # a folder with nothing of a run in it: nothing set aside
     PPOTrainer(make_cfg(tmp_path / "empty", *fast)).fit(resume=True)
     assert not list((tmp_path / "empty" / "run").glob("earlier-*"))
+    # a second set-aside within the same second gets a folder of its own
+    shutil.rmtree(run / "checkpoints" / "step-1")
+    PPOTrainer(make_cfg(tmp_path, *fast)).fit(resume=True)
+    assert len(list(run.glob("earlier-*"))) == 2
+    # never the checkpoints this run reads from
+    best = run / "checkpoints" / "best"
+    best.mkdir(parents=True)
+    (best / "p.jsonl").write_text('{"prompt": "add: 1 2\\nanswer:"}\n')
+    shutil.rmtree(run / "checkpoints" / "step-1")
+    reads = PPOTrainer(make_cfg(tmp_path, *fast, f"data.prompts={best / 'p.jsonl'}"))
+    with pytest.raises(ConfigError, match=r"data.prompts: .* would move"):
+        reads.fit(resume=True)

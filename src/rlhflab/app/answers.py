@@ -98,7 +98,8 @@ def rollouts(
 
 
 # files a run directory or a model folder is read by: an answers file or summary written
-# under one of these names would replace a run's log, or turn a run into a "model folder"
+# under one of these names in such a folder would replace a run's log, or turn the run into
+# a "model folder" or a "PEFT folder"
 OWNED_NAMES = frozenset(
     {
         "metrics.jsonl",
@@ -108,9 +109,11 @@ OWNED_NAMES = frozenset(
         "config.yaml",
         "config.json",
         "generation_config.json",
+        "adapter_config.json",
         "tokenizer.json",
         "tokenizer_config.json",
         "special_tokens_map.json",
+        "vocab.json",
         "summary.json",
         "compare.json",
         "sweep.json",
@@ -118,20 +121,29 @@ OWNED_NAMES = frozenset(
 )
 
 
+def _owned_folder(folder: Path) -> bool:
+    """A run directory (its config.yaml beside its log, run.json or checkpoints) or a model
+    folder (config.json, or a PEFT adapter's adapter_config.json); a folder that merely
+    holds a user's config.yaml is neither."""
+    if (folder / "config.json").is_file() or (folder / "adapter_config.json").is_file():
+        return True
+    marks = ("metrics.jsonl", "run.json", "checkpoints")
+    return (folder / "config.yaml").is_file() and any((folder / m).exists() for m in marks)
+
+
 def _check_out(out: Path, prompts: str | None) -> None:
     """An output file that would fail only once the work is done (a folder), would
     overwrite the prompts being read, or would take the name of a file a run or model
-    folder is read by (``RUN/metrics.jsonl``), is refused first."""
+    folder is read by (``RUN/metrics.jsonl``, ``MODEL/config.json``), is refused first."""
     if out.is_dir():
         raise ConfigError(f"--out {out}: a folder; name the file to write")
     if prompts and out.exists() and out.resolve() == Path(prompts).expanduser().resolve():
         raise ConfigError(f"--out {out}: the prompt file itself; name another file")
     folder = out.parent
-    owned = (folder / "config.yaml").is_file() or (folder / "config.json").is_file()
-    if out.name in OWNED_NAMES and (owned or out.exists()):
+    if _owned_folder(folder) and (out.name in OWNED_NAMES or out.suffix == ".safetensors"):
         raise ConfigError(
-            f"--out {out}: {out.name} is a file {folder} is read by (a run's log or config, "
-            "or a model's); name another file"
+            f"--out {out}: {folder} is a run or model folder, which reads {out.name}; name "
+            "another file"
         )
 
 

@@ -318,12 +318,14 @@ def user_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
-def per_rank_errors() -> tuple[type[BaseException], ...]:
-    """User errors that one rank can meet alone, on its own answers or rows."""
-    from rlhflab.experience.data import DataError
-    from rlhflab.experience.rewards import RewardError
+def every_rank_errors() -> tuple[type[BaseException], ...]:
+    """User errors every rank meets together: the same config, and halts decided on
+    metrics averaged over the ranks. Any other (a reward function raising on one rank's
+    answers, a file missing on one node) a rank may meet alone."""
+    from rlhflab.config.base import ConfigError
+    from rlhflab.trainers.common import TrainingHalted
 
-    return (RewardError, DataError)
+    return (ConfigError, TrainingHalted)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -358,13 +360,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = COMMANDS[args.command](args)
     except user_errors() as exc:
-        # under torchrun every rank meets the same config, file and model errors (and halts
-        # are decided on metrics averaged over ranks): rank 0 says them, once. A reward
-        # function or a data row fails on one rank's own share: every rank says those
+        # under torchrun every rank meets the same config errors and halts: rank 0 says
+        # them, once. Others (a reward function raising on one rank's answers, a file
+        # missing on one node) a rank may meet alone: each rank says those, with its rank
         rank = int(os.environ.get("RANK", "0"))
         if rank == 0:
             print(f"error: {exc}", file=sys.stderr)
-        elif isinstance(exc, per_rank_errors()):
+        elif not isinstance(exc, every_rank_errors()):
             print(f"error (rank {rank}): {exc}", file=sys.stderr)
         code = 2
     except KeyboardInterrupt:

@@ -93,27 +93,42 @@ SET_BY_THE_PIPELINE = ("sft.output_dir", "rm.output_dir", "log.output_dir", "rew
 
 
 def _stage_overrides(preset: str, seed: int, run: Path, extra) -> list[str]:
-    """The preset's overrides, the stages' folders under ``run``, then the user's
-    ``extra`` — which reach every stage, the SFT stage included."""
+    """The preset's overrides, then the user's ``extra`` — which reach every stage, the
+    SFT stage included — then the stages' folders under ``run``."""
     from rlhflab.config import ConfigError
 
     if preset not in PRESETS:
         raise ConfigError(f"--preset: unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     for item in extra or []:
-        key = str(item).partition("=")[0].strip()
-        if key in SET_BY_THE_PIPELINE:
+        key, _, value = str(item).partition("=")
+        key = key.strip()
+        if key in SET_BY_THE_PIPELINE or any(
+            f"{key}.{field}" in SET_BY_THE_PIPELINE for field in _section_fields(value)
+        ):
             raise ConfigError(
                 f"{key}: set by the pipeline (each stage's output goes under --out, and PPO "
                 "scores with the reward model it trained); choose the folder with --out"
             )
-    overrides = {
-        **PRESETS[preset]["overrides"],
-        "seed": seed,
+    preset_items = {**PRESETS[preset]["overrides"], "seed": seed}
+    # the folders last: an override of a whole section (sft={steps: 3}) keeps them
+    folders = {
         "sft.output_dir": str(run / "sft"),
         "rm.output_dir": str(run / "rm"),
         "log.output_dir": str(run / "ppo"),
     }
-    return [f"{k}={json.dumps(v)}" for k, v in overrides.items()] + list(extra or [])
+    items = [f"{k}={json.dumps(v)}" for k, v in preset_items.items()] + list(extra or [])
+    return items + [f"{k}={json.dumps(v)}" for k, v in folders.items()]
+
+
+def _section_fields(value: str) -> list[str]:
+    """The fields an override of a whole section sets (``sft={output_dir: X}``)."""
+    import yaml
+
+    try:
+        parsed = yaml.safe_load(value)
+    except yaml.YAMLError:
+        return []  # load_config names the bad value
+    return [str(k) for k in parsed] if isinstance(parsed, dict) else []
 
 
 def demo_config(preset: str, seed: int, out_root: str | Path = "runs", extra=None):

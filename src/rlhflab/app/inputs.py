@@ -299,8 +299,15 @@ def note_python_rewards(run_dir: Path, extra, gold) -> None:
         path.unlink(missing_ok=True)
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    # and their weights, which no config.yaml holds: the report shows a part's weight
-    weights = {source.name: w for source, w in extra if isinstance(w, (int, float))}
+    # and their weights, which no config.yaml holds: the report shows a part's weight (a
+    # number weights the source's one part, named after it; a dict weights parts by name;
+    # the parts of a source that returns a dict under one number stay unknown here)
+    weights: dict[str, float] = {}
+    for source, w in extra:
+        if isinstance(w, dict):
+            weights.update({str(k): float(v) for k, v in w.items()})
+        elif isinstance(w, (int, float)):
+            weights[source.name] = float(w)
     write_text_atomic(path, json.dumps({"rewards": names, "weights": weights}))
 
 

@@ -141,6 +141,13 @@ def verdict(rows: list[dict], alerts: list[dict], story: dict, summary: dict | N
                 f"{story['drop']:.3f} ({times:.1f}× its smoothed noise). The policy of "
                 f"iteration {story['best_iteration']} was better on gold; {keep}.",
             )
+        elif story.get("proxy_at_best") is None or story.get("proxy_final") is None:
+            worries.insert(
+                0,
+                f"The gold reward fell {story['drop']:.3f} from its best at iteration "
+                f"{story['best_iteration']} ({times:.1f}× its smoothed noise); the proxy has "
+                f"no finite score there to say whether it was gamed. {keep.capitalize()}.",
+            )
         else:
             worries.insert(
                 0,

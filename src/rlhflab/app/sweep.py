@@ -25,7 +25,14 @@ import warnings
 import zlib
 from pathlib import Path
 
-from rlhflab.config import DEFAULT_SPACES, Config, ConfigError, load_config, validate
+from rlhflab.config import (
+    DEFAULT_SPACES,
+    Config,
+    ConfigError,
+    absolute_paths,
+    load_config,
+    validate,
+)
 from rlhflab.config import base as configbase
 from rlhflab.trainers.common import TrainingHalted
 
@@ -63,7 +70,7 @@ def check_space(space: dict, base: dict) -> dict[str, dict]:
     out = {}
     for key, spec in space.items():
         where = f"sweep.space.{key}"
-        if str(key).startswith(FIXED_BY_THE_SWEEP):
+        if str(key).startswith(FIXED_BY_THE_SWEEP) or key in ("sweep", "log"):  # or whole
             raise ConfigError(
                 f"{where}: set by the sweep for every trial (sweep.*, log.output_dir, "
                 "log.progress), so a search space cannot vary it; run one sweep per value"
@@ -222,6 +229,8 @@ def open_study(optuna, storage: str, name: str, cfg: Config, worker: int = 0, sh
 NOT_COMPARED = (
     "log",
     "threads",
+    "device",
+    "dist",
     "sweep.pruner",
     "sweep.prune_",
     "sweep.startup_trials",
@@ -237,6 +246,8 @@ def keep_one_experiment(study, space: dict, base: dict) -> None:
     (studies from before this check get them at their next start)."""
     from rlhflab.trainers.loop import config_changes
 
+    # folders absolute: the same sweep started with --out given another way is the same
+    base = absolute_paths(base)
     mine = json.loads(json.dumps({"space": space, "base": base}, default=str))
     recorded = study.user_attrs.get("rlhflab_experiment")
     if recorded is None:

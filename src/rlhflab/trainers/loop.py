@@ -110,6 +110,7 @@ class RunLoop:
                 f"trainer from (it ran to iteration {ran}, before its first checkpoint); make "
                 "a new trainer to start over"
             )
+        _every_rank_here()  # each rank has read the checkpoints before rank 0 moves any
         runlog = self._open_log(resume_step, asked_resume=resume)
         bar = progress(
             range(job.iteration, self.total),
@@ -229,8 +230,11 @@ class RunLoop:
             changes = config_changes(_read_yaml(saved), self.config)
             for line in changes:
                 log.warning("--resume: the config differs from the run's: %s", line)
-            if changes:  # config.yaml is replaced next: keep the settings the steps so far ran
-                kept = self.run_dir / f"config.until-step-{resume_step}.yaml"
+            kept = self.run_dir / f"config.until-step-{resume_step}.yaml"
+            # config.yaml is replaced next: keep the settings the steps so far ran with (the
+            # first copy for step N is the true one: a later resume at N again may follow a
+            # resume whose own steps were lost)
+            if changes and not kept.exists():
                 shutil.copy2(saved, kept)
                 log.warning(
                     "--resume: the settings of steps 1-%d are kept in %s", resume_step, kept
@@ -247,8 +251,8 @@ class RunLoop:
         """A fresh start in a folder that holds a run replaces that run whole: its logs go
         (RunLog), and so do its checkpoints and report — a newer step-N of the old run
         would otherwise be what --resume, export or generate pick."""
-        stale = [self.run_dir / "checkpoints", self.run_dir / "report.html"]
-        stale = [p for p in stale if p.exists()]
+        stale = [self.run_dir / n for n in ("checkpoints", "report.html", "tensorboard")]
+        stale = [p for p in stale if p.exists()] + _setting_history(self.run_dir)
         if not stale:
             return
         self._refuse_reading_from_checkpoints("delete")
@@ -267,8 +271,9 @@ class RunLoop:
         earlier run left (its logs, ``checkpoints/best``, its report) is moved into
         ``earlier-<time>/`` beside them (with a copy of its config.yaml) rather than
         deleted: --resume never loses data."""
-        names = [*EARLIER_RUN_FILES, "checkpoints"]
+        names = [*EARLIER_RUN_FILES, "checkpoints", "tensorboard"]
         found = [self.run_dir / n for n in names if (self.run_dir / n).exists()]
+        found += _setting_history(self.run_dir)
         if not any(_holds_something(p) for p in found):
             return
         self._refuse_reading_from_checkpoints("move")
@@ -320,6 +325,14 @@ class RunLoop:
         )
 
 
+def _every_rank_here() -> None:
+    """Under torchrun, wait until every rank is here (nothing without a process group)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
 def _hooks_stop(job: Job, metrics: dict) -> str | None:
     """Run the job's step hooks; the stop reason when one of them asks to stop."""
     for hook in getattr(job, "step_hooks", ()):
@@ -331,6 +344,11 @@ def _hooks_stop(job: Job, metrics: dict) -> str | None:
 # what an earlier run leaves beside its checkpoints: moved aside with them by a --resume
 # that finds nothing to continue (inputs/ stays: this run reads it)
 EARLIER_RUN_FILES = ("metrics.jsonl", "samples.jsonl", "alerts.jsonl", "run.json", "report.html")
+
+
+def _setting_history(run_dir: Path) -> list[Path]:
+    """The settings earlier resumes of the run in ``run_dir`` replaced."""
+    return sorted(run_dir.glob("config.until-step-*.yaml"))
 
 
 def _holds_something(path: Path) -> bool:
