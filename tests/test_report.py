@@ -327,6 +327,14 @@ def test_cosmetics_of_settings_and_runs_with_nothing_logged(tmp_path):
     assert "seed" in own and "sft.output_dir" not in own
     elsewhere = {"sft": {"output_dir": "/data/other"}}
     assert "sft.output_dir" in config_section(elsewhere, {"sft.output_dir": "runs/sft"})
+    # with the folder the run started in (run.json), exact: a user's own path that merely
+    # ends like the default is still theirs
+    started = str(tmp_path)
+    section = config_section(config, {"sft.output_dir": "runs/sft"}, started)
+    assert "sft.output_dir" not in section.split("<details>")[0]
+    theirs = {"sft": {"output_dir": "/data/x/runs/sft"}}
+    section = config_section(theirs, {"sft.output_dir": "runs/sft"}, started)
+    assert "sft.output_dir" in section.split("<details>")[0]
     run = tmp_path / "killed"
     run.mkdir()
     (run / "config.yaml").write_text("seed: 3\n")

@@ -296,7 +296,8 @@ def build_report(run_dir: str | Path) -> Path:
         sections.append(("rm", "Reward model checks"))
         body.append(checks)
     sections.append(("config", "Config"))
-    body.append(S.config_section(config, S.flat_defaults(_STAGES.get(trainer, "ppo"))))
+    started_in = (info or {}).get("started_in")
+    body.append(S.config_section(config, S.flat_defaults(_STAGES.get(trainer, "ppo")), started_in))
     toc = "".join(f"<li><a href='#{a}'>{html.escape(t)}</a></li>" for a, t in sections)
     when = (info or {}).get("started", "")[:16].replace("T", " ")
     head = (

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import yaml
@@ -72,11 +73,13 @@ def _rm_candidates(folder: Path, config: dict, run: Path) -> list[Path]:
     return list(dict.fromkeys(out))  # each once, in order
 
 
-def config_section(config: dict, defaults: dict) -> str:
+def config_section(config: dict, defaults: dict, started_in: str | None = None) -> str:
     """The settings that differ from the defaults first, then the whole config folded
-    (non-ASCII shown as text)."""
+    (non-ASCII shown as text). ``started_in``: the folder the run started in (run.json)."""
     mine = [(k, v, defaults.get(k, "(no default)")) for k, v in _flat(config).items()]
-    mine = [(k, v, d) for k, v, d in mine if v != d and not _default_made_absolute(v, d)]
+    mine = [
+        (k, v, d) for k, v, d in mine if v != d and not _default_made_absolute(v, d, started_in)
+    ]
     rows = [[k, _show(v), _show(d)] for k, v, d in mine]
     text = yaml.safe_dump(config, sort_keys=False, allow_unicode=True)
     lines = text.count("\n")
@@ -92,13 +95,19 @@ def config_section(config: dict, defaults: dict) -> str:
     )
 
 
-def _default_made_absolute(value, default) -> bool:
+def _default_made_absolute(value, default, started_in: str | None = None) -> bool:
     """A run records its folder settings absolute (config.PATH_FIELDS): a relative default
-    such as ``runs/sft`` comes back as ``/where/it/ran/runs/sft``, which the user never set."""
+    such as ``runs/sft`` comes back as ``/where/it/ran/runs/sft``, which the user never set.
+    Exact against the folder the run started in where run.json says it; for older runs,
+    any absolute path that ends with the default."""
     if not (isinstance(value, str) and isinstance(default, str)) or not default:
         return False
     v, d = Path(value), Path(default)
-    return v.is_absolute() and not d.is_absolute() and v.parts[-len(d.parts) :] == d.parts
+    if not v.is_absolute() or d.is_absolute():
+        return False
+    if started_in:
+        return os.path.normpath(v) == os.path.normpath(Path(started_in) / d)
+    return v.parts[-len(d.parts) :] == d.parts
 
 
 def _flat(config: dict) -> dict:

@@ -21,6 +21,7 @@ loop (each step and each save is collective); only rank 0 writes files.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import sys
 import time
@@ -152,6 +153,8 @@ class RunLoop:
             "started": old.get("started") or runinfo.now(),
             "finished": None,
             "total": self.total,  # a report of a killed run still knows what it aimed at
+            # what the run's relative defaults were made absolute against (config.PATH_FIELDS)
+            "started_in": old.get("started_in") or os.getcwd(),
             "wall_s_before": (old.get("wall_s") or 0.0) if resume_step is not None else 0.0,
             **({"resumed_at": resume_step} if resume_step is not None else {}),
             **runinfo.machine_facts(),
