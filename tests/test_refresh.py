@@ -11,6 +11,7 @@ from transformers import AutoModelForSequenceClassification
 
 from rlhflab.config import ConfigError, load_config
 from rlhflab.experience.rewards import RewardError
+from rlhflab.infra import checkpoint as C
 from rlhflab.infra.runlog import read_jsonl
 from rlhflab.trainers.ppo import PPOTrainer
 from rlhflab.trainers.ppo_refresh import head_targets
@@ -187,12 +188,23 @@ def test_resume_is_bit_identical_across_refreshes(tmp_path, nano_rm):
     assert [p.prompt for p in straight.refresh.fresh] == [p.prompt for p in t.refresh.fresh]
     # resumed with the refresh switched off, the run keeps the refreshed reward model (it
     # must not silently score with the one from before the refreshes)
-    off = PPOTrainer(_cfg(tmp_path, nano_rm, "reward.refresh_every=0", out="b"))
-    off.cfg.ppo.iterations = 4
+    off = PPOTrainer(_cfg(tmp_path, nano_rm, "reward.refresh_every=0", "log.keep_last=1", out="b"))
+    off.cfg.ppo.iterations = 6
     off.fit(resume=True)
     a = straight.cast.models()["reward"].state_dict()
     b = off.cast.models()["reward"].state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # and its own checkpoints keep it: the ones holding it were pruned (keep_last), and a
+    # resume from step-6 read the reward model from before the refreshes
+    newest = tmp_path / "b" / "checkpoints" / "step-6"
+    assert [p.name for p in C.list_checkpoints(tmp_path / "b")] == ["step-6"]
+    again = PPOTrainer(_cfg(tmp_path, nano_rm, "reward.refresh_every=0", out="b"))
+    again.cast.models()["reward"].load_state_dict(
+        {k: torch.zeros_like(v) for k, v in again.cast.models()["reward"].state_dict().items()}
+    )
+    again.checkpoints.load(newest)
+    c = again.cast.models()["reward"].state_dict()
+    assert all(torch.equal(a[k], c[k]) for k in a)
 
 
 # ------------------------------------------------------------------ a user's labeller

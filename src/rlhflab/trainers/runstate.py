@@ -135,7 +135,11 @@ class CastCheckpoints:
                 f"at {path / 'reward'}"
             )
         log.info("%s: reading back the refreshed reward models of the checkpoint", path)
-        return refreshed_models(self.cast)
+        # and saving them into this run's checkpoints too: else the next ones would lack
+        # them, keep_last would prune the old ones, and a later resume would score with the
+        # reward model from before the refreshes
+        self.rewards = refreshed_models(self.cast)
+        return self.rewards
 
     def load(self, path: Path) -> dict:
         """Load the weights of checkpoint ``path`` into the cast; returns its state (on
