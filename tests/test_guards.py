@@ -127,6 +127,9 @@ def test_centred_members_lose_their_offsets_but_keep_their_disagreement():
         (["reward.ensemble=['a', 'b']", "reward.uwo_lambda=-1"], "uwo_lambda"),
         (["reward.functions={'m:f': 1}", "reward.shaping=clip"], "reward.shaping"),
         (["reward.functions={'m:f': 1}", "monitor.ensemble_spread=0"], "monitor.ensemble_spread"),
+        # 0 turned the KL signal off silently, a negative limit could never alert
+        (["reward.functions={'m:f': 1}", "monitor.kl_limit=0"], "monitor.kl_limit"),
+        (["reward.functions={'m:f': 1}", "monitor.entropy_ratio=-1"], "monitor.entropy_ratio"),
     ],
 )
 def test_invalid_guard_settings_are_refused_naming_the_field(over, match):
@@ -152,6 +155,16 @@ def test_ensemble_spread_signal_alerts_when_disagreement_grows():
     assert later["ensemble_spread"] == pytest.approx(2.5)
     assert [a.signal for a in mon.check(2, later)] == ["ensemble_spread"]
     assert "ensemble_spread" not in mon.signals(ro, base)  # no ensemble, no signal
+    # identical members at first (spread 0), a NaN entropy: the ratios wait for a first
+    # finite, positive value instead of reading 1.0 for the whole run
+    mon = HackingMonitor(cfg.monitor)
+    nan = {**base, "policy/entropy": math.nan}
+    assert mon.signals(ro, {**nan, "objective/ensemble_std": 0.0})["ensemble_spread"] == 1.0
+    assert mon.signals(ro, {**base, "objective/ensemble_std": 0.4})["ensemble_spread"] == 1.0
+    grown = mon.signals(ro, {**base, "policy/entropy": 0.1, "objective/ensemble_std": 1.2})
+    assert grown["ensemble_spread"] == pytest.approx(3.0)
+    assert grown["entropy_ratio"] == pytest.approx(0.1)
+    assert sorted(a.signal for a in mon.check(3, grown)) == ["ensemble_spread", "entropy_ratio"]
 
 
 # ------------------------------------------------------------------ end to end, tiny

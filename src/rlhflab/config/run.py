@@ -162,9 +162,18 @@ class MonitorConfig:
         "rises (gold-reward units).",
     )
     kl_limit: float | None = setting(
-        None, "Alert above this KL (nats per answer). None: 2 × ppo.kl_target when set, else off."
+        None,
+        "Alert above this KL (nats per answer). None: 2 × ppo.kl_target when set, else off.",
+        low=0.0,
+        low_open=True,  # 0 turned the signal off, a negative one could never alert
     )
-    entropy_ratio: float | None = setting(0.2, "Alert below this share of the initial entropy.")
+    entropy_ratio: float | None = setting(
+        0.2,
+        "Alert below this share of the initial entropy (the first finite, positive one). "
+        "None: no alert.",
+        low=0.0,
+        low_open=True,
+    )
     ensemble_spread: float | None = setting(
         2.0,
         "With reward.ensemble: alert when the members' disagreement (objective/ensemble_std) "

@@ -209,15 +209,15 @@ class HackingMonitor:
             out["gold_drop"] = (st.best_gold - st.gold_ema) if rising else 0.0
         if self.kl_limit:
             out["kl_excess"] = metrics["objective/kl"] / self.kl_limit
+        # both ratios are to the first finite, positive value: a first value of 0 or NaN
+        # (identical ensemble members, a skipped batch) left them at 1.0 for the whole run
         entropy = metrics["policy/entropy"]
-        if st.initial_entropy is None:
-            st.initial_entropy = entropy
-        out["entropy_ratio"] = entropy / st.initial_entropy if st.initial_entropy > 0 else 1.0
+        st.initial_entropy = _baseline(st.initial_entropy, entropy)
+        out["entropy_ratio"] = entropy / st.initial_entropy if st.initial_entropy else 1.0
         spread = metrics.get("objective/ensemble_std")
         if spread is not None:
-            if st.initial_spread is None:
-                st.initial_spread = spread
-            out["ensemble_spread"] = spread / st.initial_spread if st.initial_spread > 0 else 1.0
+            st.initial_spread = _baseline(st.initial_spread, spread)
+            out["ensemble_spread"] = spread / st.initial_spread if st.initial_spread else 1.0
         return out
 
     def gold_of(self, prompts: list[str], responses: list[str]) -> torch.Tensor:
@@ -253,3 +253,11 @@ class HackingMonitor:
                 alerts.append(Alert(iteration, name, v, threshold))
         self.state.alerts.extend(alerts)
         return alerts
+
+
+def _baseline(kept: float | None, value: float) -> float | None:
+    """The reference a ratio signal divides by: ``kept`` once it is set, else ``value``
+    when it is finite and positive, else still none."""
+    if kept is not None and kept > 0:
+        return kept
+    return value if math.isfinite(value) and value > 0 else None
