@@ -188,3 +188,17 @@ def test_the_table_names_the_knobs_only_when_the_opener_probe_sets_the_peak():
     small = PhaseMemory("monitor", "opener probe", 10, measured=True)
     text = format_iteration([small, training], models)
     assert "in training" in text and "flattery_opener_ratio" not in text
+
+
+def test_the_estimate_says_what_it_leaves_out(nano_rm, capsys):
+    """A reward-model refresh added ~600 MiB to a measured run while `rlhflab memory`
+    printed the same as without it: what it does not count is now said."""
+    from rlhflab.app.cli import main
+
+    args = ["memory", "model.policy=preset:nano", f"reward.model={nano_rm}"]
+    assert main(args) == 0
+    assert "not counted" not in capsys.readouterr().out
+    assert main([*args, "reward.refresh_every=2"]) == 0
+    out = capsys.readouterr().out
+    assert "not counted: reward.refresh_every=2 fine-tunes the reward model(s)" in out
+    assert "reward.refresh_batch_size=" in out

@@ -124,6 +124,7 @@ def cmd_memory(args) -> int:
         format_iteration,
         format_table,
         iteration_memory,
+        not_counted,
         peak_rss_bytes,
     )
     from rlhflab.experience.cast import build_cast
@@ -133,6 +134,8 @@ def cmd_memory(args) -> int:
     rows = cast_memory(cast)
     print(format_table(rows, peak_rss_bytes()))
     print(format_iteration(iteration_memory(cast, cfg), rows))
+    for line in not_counted(cast, cfg):
+        print(line)
     return 0
 
 

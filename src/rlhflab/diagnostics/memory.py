@@ -346,3 +346,23 @@ def format_iteration(phases: list[PhaseMemory], models: list[ModelMemory]) -> st
             "monitor.flattery_opener_ratio=null lowers it"
         )
     return "\n".join(lines)
+
+
+def not_counted(cast, cfg) -> list[str]:
+    """What the estimate leaves out for this config, one line each (said, not guessed)."""
+    out = []
+    if cfg.reward.refresh_every:
+        params = sum(
+            p.numel()
+            for name, model in cast.models().items()
+            if name.startswith("reward")
+            for p in model.parameters()
+        )
+        out.append(
+            f"not counted: reward.refresh_every={cfg.reward.refresh_every} fine-tunes the reward "
+            f"model(s) every N iterations — at least {params * 12 / 1024**2:.2f} MiB of "
+            "gradients and AdamW moments (fp32, 12 bytes a parameter), plus the forward and "
+            f"backward of reward.refresh_batch_size={cfg.reward.refresh_batch_size} pairs; "
+            "measure it with a short run (memory/peak_mib)"
+        )
+    return out
