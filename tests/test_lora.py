@@ -100,6 +100,9 @@ def test_the_old_attention_targets_still_adapt_exactly_those_layers():
         (["model.lora_r=4"], "sft", "model.lora_r: rlhflab sft trains every weight"),
         (["model.critic_lora_r=4"], "rm", "model.lora_r: rlhflab rm trains every weight"),
         (["model.critic_lora_r=4", "model.runtime=native"], "ppo", "model.runtime: 'native'"),
+        # refused at config time (it was found only once the policy had loaded)
+        (["model.lora_r=4", "model.reference_precision=bf16"], "ppo", "model.reference_precision"),
+        (["model.lora_r=4", "model.reference_precision=int8"], "dpo", "model.reference_precision"),
     ],
 )
 def test_lora_settings_that_cannot_work_are_refused_naming_the_field(overrides, stage, message):
@@ -111,6 +114,19 @@ def test_lora_settings_that_cannot_work_are_refused_naming_the_field(overrides, 
 def cast_config(**over):
     base = {"model": {"policy": "preset:nano"}, "device": "cpu"}
     return load_config(base=base, overrides=[f"{k}={v}" for k, v in over.items()])
+
+
+def test_lora_with_offload_frozen_offloads_the_reward_model_only(nano_rm):
+    """model.offload_frozen with LoRA was refused ("cannot be cast"), although the
+    adapter-disabled reference has nothing to offload and the reward model can be."""
+    cast = build_cast(
+        cast_config(
+            **{"model.lora_r": 4, "model.offload_frozen": "true", "reward.model": str(nano_rm)}
+        )
+    )
+    assert isinstance(cast.reference, M.LoraReference)
+    ((source, _),) = cast.reward.sources
+    assert isinstance(source.model, M.Offloaded)
 
 
 def test_a_lora_critic_trains_adapters_and_head_on_a_frozen_16_bit_backbone():

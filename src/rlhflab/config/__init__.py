@@ -115,6 +115,12 @@ def validate(cfg: Config, stage: str = "ppo", reward_given: bool = False) -> Con
             "model the next stage starts from); LoRA applies to ppo, grpo, rloo and dpo"
         )
     _check_compute_dtype(cfg, stage)
+    if mc.lora_r and mc.reference_precision != "fp32":
+        raise ConfigError(
+            f"model.reference_precision: {mc.reference_precision!r}, but with LoRA "
+            "(model.lora_r) the reference is the policy's own base with the adapters off: it "
+            "shares the policy's weights and keeps their precision; leave it at 'fp32'"
+        )
     if stage == "dpo" and cfg.dpo.loss_type == "ipo" and cfg.dpo.label_smoothing:
         raise ConfigError(
             "dpo.label_smoothing: applies to the sigmoid loss only (conservative DPO); "

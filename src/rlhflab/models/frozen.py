@@ -130,12 +130,14 @@ def make_reference(
     offload: bool = False,
     device: str | torch.device = "cpu",
 ):
-    """Frozen copy of the initial policy, or the adapter-disabled base of a LoRA policy."""
+    """Frozen copy of the initial policy, or the adapter-disabled base of a LoRA policy
+    (which shares the policy's weights: nothing of it to offload — ``offload`` then moves
+    only the other frozen models — and no precision of its own)."""
     if hasattr(policy_lm, "disable_adapter"):
-        if precision != "fp32" or offload:
+        if precision != "fp32":
             raise ModelLoadError(
-                "model.reference_precision/offload_frozen: with LoRA the "
-                "reference shares the policy's weights and cannot be cast"
+                "model.reference_precision: with LoRA the reference shares the policy's "
+                "weights and cannot be cast"
             )
         return LoraReference(policy_lm)
     ref = freeze(set_precision(copy.deepcopy(policy_lm), precision, "cpu" if offload else device))
