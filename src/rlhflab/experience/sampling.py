@@ -265,7 +265,7 @@ def sample(
             "top_k/top_p sampling: training log-probs use the full softmax, so they "
             "differ from the truncated sampling distribution (PPO becomes slightly "
             "off-policy)",
-            stacklevel=2,
+            stacklevel=3,  # past torch.no_grad's wrapper, to the caller
         )
         _warned_truncated = True
     B, device = prompt_ids.shape[0], prompt_ids.device

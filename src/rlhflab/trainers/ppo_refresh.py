@@ -309,7 +309,7 @@ def _check_heads(pairs: list[PreferencePair], heads: list[str], labeller: str | 
             )
         raise RewardError(
             f"reward.refresh_labeller: the labels name {sorted(pairs[0].labels)}, none of the "
-            f"reward model's heads {heads}; label them by name (return a dict)"
+            f"reward model's heads {heads}; return a dict keyed by those head names"
         )
 
 
