@@ -363,3 +363,18 @@ def test_a_setting_given_twice_in_a_config_file_is_named(tmp_path):
     merged = tmp_path / "m.yaml"  # a YAML merge key may still be overridden
     merged.write_text("ppo:\n  <<: {iterations: 3}\n  iterations: 2\n")
     assert load_config(merged, reward_given=True).ppo.iterations == 2
+
+
+def test_overrides_on_both_sides_of_an_option_all_count(tmp_path, capsys):
+    """`rlhflab ppo --config F seed=1 --resume ppo.lr=1e-5` stopped at "unrecognized
+    arguments: ppo.lr=1e-5": argparse takes positionals up to the first option only."""
+    config = tmp_path / "c.yaml"
+    config.write_text("threads: 1\n")
+    vowel = "reward.functions={'rlhflab.builtin.toy_rewards:vowel_reward': 1}"
+    args = ["memory", "model.policy=preset:nano", "--config", str(config), vowel]
+    assert main(args) == 0
+    assert "estimated peak" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as stop:  # argparse's own exit for the unknown
+        main(["memory", "--config", str(config), "--bogus"])
+    assert stop.value.code == 2
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err

@@ -15,6 +15,7 @@ import os
 import sys
 
 from rlhflab.app.around import add_parsers, cmd_eval, cmd_export, cmd_generate
+from rlhflab.app.user_errors import every_rank_errors, user_errors
 from rlhflab.backends.allocator import CHOICES, ENV_CHOICE, AllocatorError, in_use, restart_under
 
 
@@ -300,40 +301,19 @@ COMMANDS = {
 ON_SEVERAL_RANKS = ("ppo", "grpo", "rloo")
 
 
-def user_errors() -> tuple[type[BaseException], ...]:
-    from rlhflab.config.base import ConfigError
-    from rlhflab.experience.rewards import RewardError
-    from rlhflab.models import ModelLoadError
-    from rlhflab.trainers.common import TrainingHalted
-
-    errors: list[type[BaseException]] = [ConfigError, ModelLoadError, RewardError]
-    errors.append(TrainingHalted)  # a non-finite loss: the message says what to lower
-    from rlhflab.infra.checkpoint import CheckpointError
-    from rlhflab.infra.runlog import RunLogError
-
-    errors += [CheckpointError, RunLogError]  # a run directory damaged past resuming
-    try:
-        from rlhflab.experience.data import DataError
-
-        errors.append(DataError)
-    except ImportError:
-        pass
-    return tuple(errors)
-
-
-def every_rank_errors() -> tuple[type[BaseException], ...]:
-    """User errors every rank meets together: the same config, and halts decided on
-    metrics averaged over the ranks. Any other (a reward function raising on one rank's
-    answers, a file missing on one node) a rank may meet alone."""
-    from rlhflab.config.base import ConfigError
-    from rlhflab.trainers.common import TrainingHalted
-
-    return (ConfigError, TrainingHalted)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    # overrides after an option (`ppo --config F --resume lr=1e-5`): argparse stops taking
+    # positionals at the first option; key=value words left over are overrides still
+    if (
+        rest
+        and hasattr(args, "overrides")
+        and all("=" in w and not w.startswith("-") for w in rest)
+    ):
+        args.overrides = [*(args.overrides or []), *rest]
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.version:
         from rlhflab import __version__
 

@@ -44,7 +44,7 @@ def method_config(cfg: Config, method: str, run: Path) -> Config:
 def worker_main(argv: list[str]) -> None:
     """A method's process: its row as JSON on stdout; a user error as one ``error:`` line
     on stderr and status 2 (the parent says it as its own)."""
-    from rlhflab.app.cli import user_errors
+    from rlhflab.app.user_errors import user_errors
 
     method, config_json, eval_prompts = argv
     try:

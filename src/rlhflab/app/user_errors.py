@@ -1,0 +1,36 @@
+"""The errors a command says in one line (``error: ...``, status 2) instead of a traceback:
+a user's mistake in config, data, model folder or reward function, or a run halted on a loss
+that is not finite. Imported lazily: each names a module of its own."""
+
+from __future__ import annotations
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    from rlhflab.config.base import ConfigError
+    from rlhflab.experience.rewards import RewardError
+    from rlhflab.models import ModelLoadError
+    from rlhflab.trainers.common import TrainingHalted
+
+    errors: list[type[BaseException]] = [ConfigError, ModelLoadError, RewardError]
+    errors.append(TrainingHalted)  # a non-finite loss: the message says what to lower
+    from rlhflab.infra.checkpoint import CheckpointError
+    from rlhflab.infra.runlog import RunLogError
+
+    errors += [CheckpointError, RunLogError]  # a run directory damaged past resuming
+    try:
+        from rlhflab.experience.data import DataError
+
+        errors.append(DataError)
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
+def every_rank_errors() -> tuple[type[BaseException], ...]:
+    """User errors every rank meets together: the same config, and halts decided on
+    metrics averaged over the ranks. Any other (a reward function raising on one rank's
+    answers, a file missing on one node) a rank may meet alone."""
+    from rlhflab.config.base import ConfigError
+    from rlhflab.trainers.common import TrainingHalted
+
+    return (ConfigError, TrainingHalted)
