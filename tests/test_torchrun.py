@@ -39,20 +39,8 @@ def test_the_command_runs_under_torchrun_each_rank_on_the_allocator(tmp_path):
 def test_a_user_error_on_two_ranks_is_said_once_without_a_traceback(tmp_path):
     # every rank meets the same config refusal (here the per-rank split, before any model
     # loads): rank 0 prints the one line, the others none; each leaves without the barrier
-    config = tmp_path / "ppo.yaml"
-    config.write_text(
-        "device: cpu\n"
-        "model: {policy: 'preset:nano', value_model: separate}\n"
-        "reward: {functions: {'rlhflab.builtin.toy_rewards:vowel_reward': 1.0}}\n"
-        "rollout: {prompts_per_iteration: 6, max_new_tokens: 6}\n"
-        "ppo: {iterations: 2, epochs: 1, minibatches: 2}\n"
-        f"log: {{output_dir: '{tmp_path / 'run'}', progress: false}}\n"
-    )
-    path = os.pathsep.join([str(ROOT / "src"), str(ROOT)])
-    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "RLHFLAB_ALLOCATOR": "system"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    cmd += ["--standalone", "-m", "rlhflab", "ppo", "--config", str(config)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    vowel = "rlhflab.builtin.toy_rewards:vowel_reward"
+    done = _ppo_on_two_ranks(tmp_path, vowel, prompts=6, tokens=6, iterations=2, minibatches=2)
     assert done.returncode != 0
     ours = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
     assert len(ours) == 1 and "ppo.minibatches" in ours[0], done.stderr[-4000:]
@@ -75,22 +63,30 @@ def test_an_error_on_one_rank_alone_ends_the_run_with_its_line(tmp_path):
         "        raise ValueError('reward service down')\n"
         "    return [0.0] * len(responses)\n"
     )
+    done = _ppo_on_two_ranks(tmp_path, "flaky:reward", prompts=8, tokens=4, iterations=4)
+    assert done.returncode != 0
+    ours = [line for line in done.stderr.splitlines() if line.startswith("error")]
+    assert ours == [
+        "error (rank 1): reward function flaky:reward raised ValueError: reward service down"
+    ], done.stderr[-4000:]
+
+
+def _ppo_on_two_ranks(
+    tmp_path, reward: str, prompts: int, tokens: int, iterations: int, minibatches: int = 1
+) -> subprocess.CompletedProcess:
+    """`torchrun --nproc-per-node 2 -m rlhflab ppo` on preset:nano with the reward function
+    ``reward`` (importable from ``tmp_path``, the working folder), run to its end."""
     config = tmp_path / "ppo.yaml"
     config.write_text(
         "device: cpu\n"
         "model: {policy: 'preset:nano', value_model: separate}\n"
-        "reward: {functions: {'flaky:reward': 1.0}}\n"
-        "rollout: {prompts_per_iteration: 8, max_new_tokens: 4}\n"
-        "ppo: {iterations: 4, epochs: 1, minibatches: 1}\n"
+        f"reward: {{functions: {{'{reward}': 1.0}}}}\n"
+        f"rollout: {{prompts_per_iteration: {prompts}, max_new_tokens: {tokens}}}\n"
+        f"ppo: {{iterations: {iterations}, epochs: 1, minibatches: {minibatches}}}\n"
         f"log: {{output_dir: '{tmp_path / 'run'}', progress: false}}\n"
     )
     path = os.pathsep.join([str(ROOT / "src"), str(ROOT)])
     env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "RLHFLAB_ALLOCATOR": "system"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
     cmd += ["--standalone", "-m", "rlhflab", "ppo", "--config", str(config)]
-    done = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert done.returncode != 0
-    ours = [line for line in done.stderr.splitlines() if line.startswith("error")]
-    assert ours == [
-        "error (rank 1): reward function flaky:reward raised ValueError: reward service down"
-    ], done.stderr[-4000:]
+    return subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
