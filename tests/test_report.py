@@ -362,3 +362,17 @@ def test_a_gold_fall_without_a_finite_proxy_is_not_called_over_training(tmp_path
     verdict = verdict.split("</section>")[0]
     assert "the proxy has no finite score there" in verdict
     assert "fell with it" not in verdict and "Reward hacking suspected" not in verdict
+
+
+def test_under_par_the_verdict_names_the_score_before_shaping_and_the_shaped_one(tmp_path):
+    """Under reward.shaping=par the proxy line said "the optimised score" of the unshaped
+    score; PPO optimises σ(score − reference score)."""
+    run = _write_run(tmp_path)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        r["objective/shaped_scores"] = 0.5 + 0.005 * r["iteration"]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    verdict = build_report(run).read_text(encoding="utf-8").split("<section class='verdict")[1]
+    verdict = verdict.split("</section>")[0]
+    assert "<b>Proxy reward</b> (the reward's score before PAR shaping" in verdict
+    assert "<b>Shaped reward</b> (PAR's σ(score − reference score), what PPO optimises" in verdict

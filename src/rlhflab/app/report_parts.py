@@ -79,10 +79,20 @@ def verdict(rows: list[dict], alerts: list[dict], story: dict, summary: dict | N
     if proxy:
         a = story.get("smoothing", 0.8) if story else 0.8
         p = ema(proxy, a)
+        shaped = [
+            r["objective/shaped_scores"] for r in rows if _finite(r.get("objective/shaped_scores"))
+        ]
+        what = "the reward's score before PAR shaping" if shaped else "the optimised score"
         facts.append(
-            f"<b>Proxy reward</b> (the optimised score, smoothed): {p[0]:.3f} → {p[-1]:.3f} "
+            f"<b>Proxy reward</b> ({what}, smoothed): {p[0]:.3f} → {p[-1]:.3f} "
             f"({_signed(p[-1] - p[0])})"
         )
+        if shaped:  # reward.shaping=par: what PPO optimises is σ(score − reference's)
+            q = ema(shaped, a)
+            facts.append(
+                f"<b>Shaped reward</b> (PAR's σ(score − reference score), what PPO optimises, "
+                f"smoothed): {q[0]:.3f} → {q[-1]:.3f} ({_signed(q[-1] - q[0])})"
+            )
     held = _held_out(summary)
     if held:
         facts.append(held[0])
