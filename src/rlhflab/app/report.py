@@ -32,8 +32,7 @@ _BELOW = {"entropy_ratio"}
 _STAGES = {"PPO": "ppo", "GRPO": "grpo", "RLOO": "rloo", "DPO": "dpo", "SFT": "sft", "RM": "rm"}
 
 
-def _series(rows: list[dict], key: str, name: str | None = None, **kw) -> Series:
-    return Series(name or key, [(r["iteration"], r.get(key)) for r in rows], source=key, **kw)
+_series = S.series_of
 
 
 def _has(rows: list[dict], key: str) -> bool:
@@ -217,10 +216,6 @@ def curve_groups(
         ("Reward-hacking monitors", monitors),
         ("Time and memory", system),
     ]
-
-
-def _finite(v) -> bool:
-    return isinstance(v, (int, float)) and math.isfinite(v)
 
 
 def _read(path: Path):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from rlhflab.app.tables import COMPARE_COLUMNS, DEMO_COLUMNS, cell
 from rlhflab.diagnostics.gold_curve import ema
+from rlhflab.diagnostics.gold_curve import is_finite_number as _finite
 
 # monitor signals that point at the reward being gamed (entropy collapse and KL drift are
 # training trouble, named in the verdict as alerts but not as hacking)
@@ -214,10 +215,6 @@ def _verdict_without_reward(rows: list[dict]) -> str:
         "or proxy reward to judge it by and no reward-hacking monitor; every logged metric "
         f"is under Curves.</p><ul>{items}</ul></section>"
     )
-
-
-def _finite(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _held_out(summary: dict | None) -> list[str]:

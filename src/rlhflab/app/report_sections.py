@@ -11,7 +11,8 @@ from pathlib import Path
 import yaml
 
 from rlhflab.app.charts import Chart, Series
-from rlhflab.app.report_parts import _finite, esc, num, table
+from rlhflab.app.report_parts import esc, num, table
+from rlhflab.diagnostics.gold_curve import is_finite_number
 from rlhflab.infra.runlog import read_json
 
 
@@ -270,9 +271,12 @@ def other_charts(rows: list[dict], groups: list[tuple[str, list[Chart]]]) -> lis
         }
         - drawn
     )
-    return [
-        Chart(k, [Series(k, [(r["iteration"], r.get(k)) for r in rows], source=k)], k) for k in keys
-    ]
+    return [Chart(k, [series_of(rows, k)], k) for k in keys]
+
+
+def series_of(rows: list[dict], key: str, name: str | None = None, **kw) -> Series:
+    """The logged metric ``key`` over the rows' iterations (missing values are gaps)."""
+    return Series(name or key, [(r["iteration"], r.get(key)) for r in rows], source=key, **kw)
 
 
 def overoptimisation(rows: list[dict], story: dict) -> str:
@@ -283,7 +287,8 @@ def overoptimisation(rows: list[dict], story: dict) -> str:
     pts = [
         (math.sqrt(max(r["objective/kl"], 0.0)), r["monitor/gold"])
         for r in rows
-        if isinstance(r.get("objective/kl"), (int, float)) and _finite(r.get("monitor/gold"))
+        if isinstance(r.get("objective/kl"), (int, float))
+        and is_finite_number(r.get("monitor/gold"))
     ]
     peak = fit.get("peak")
     d_max = max(d for d, _ in pts)

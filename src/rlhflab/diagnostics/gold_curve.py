@@ -200,10 +200,10 @@ def story_from_rows(rows: Sequence[dict], smoothing: float) -> dict:
     """:func:`gold_story` of metrics.jsonl rows: those with a finite ``monitor/gold``, their
     ``objective/scores`` and ``objective/kl`` NaN where not finite (a batch whose proxy
     scores were skipped still measured its gold); empty dict when there are none."""
-    good = [r for r in rows if _finite(r.get("monitor/gold"))]
+    good = [r for r in rows if is_finite_number(r.get("monitor/gold"))]
 
     def column(key: str) -> list[float]:
-        return [float(r[key]) if _finite(r.get(key)) else math.nan for r in good]
+        return [float(r[key]) if is_finite_number(r.get(key)) else math.nan for r in good]
 
     return gold_story(
         [r["iteration"] for r in good],
@@ -214,5 +214,6 @@ def story_from_rows(rows: Sequence[dict], smoothing: float) -> dict:
     )
 
 
-def _finite(value) -> bool:
+def is_finite_number(value) -> bool:
+    """A real number (not a bool, not None, not NaN or ±inf), as a metrics row may hold."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

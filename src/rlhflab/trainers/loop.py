@@ -254,8 +254,8 @@ class RunLoop:
         """A fresh start in a folder that holds a run replaces that run whole: its logs go
         (RunLog), and so do its checkpoints and report — a newer step-N of the old run
         would otherwise be what --resume, export or generate pick."""
-        stale = [self.run_dir / n for n in ("checkpoints", "report.html", "tensorboard")]
-        stale = [p for p in stale if p.exists()] + _setting_history(self.run_dir)
+        # the logs go with RunLog, run.json is written afresh
+        stale = _earlier_run(self.run_dir, ("checkpoints", "report.html", "tensorboard"))
         if not stale:
             return
         self._refuse_reading_from_checkpoints("delete")
@@ -274,9 +274,7 @@ class RunLoop:
         earlier run left (its logs, ``checkpoints/best``, its report) is moved into
         ``earlier-<time>/`` beside them (with a copy of its config.yaml) rather than
         deleted: --resume never loses data."""
-        names = [*EARLIER_RUN_FILES, "checkpoints", "tensorboard"]
-        found = [self.run_dir / n for n in names if (self.run_dir / n).exists()]
-        found += _setting_history(self.run_dir)
+        found = _earlier_run(self.run_dir, EARLIER_RUN_FILES)
         if not any(_holds_something(p) for p in found):
             return
         self._refuse_reading_from_checkpoints("move")
@@ -344,14 +342,19 @@ def _hooks_stop(job: Job, metrics: dict) -> str | None:
     return None
 
 
-# what an earlier run leaves beside its checkpoints: moved aside with them by a --resume
-# that finds nothing to continue (inputs/ stays: this run reads it)
-EARLIER_RUN_FILES = ("metrics.jsonl", "samples.jsonl", "alerts.jsonl", "run.json", "report.html")
+# what an earlier run leaves in its folder: moved aside by a --resume that finds nothing to
+# continue (inputs/ stays: this run reads it)
+EARLIER_RUN_FILES = (
+    *("metrics.jsonl", "samples.jsonl", "alerts.jsonl", "run.json", "report.html"),
+    *("checkpoints", "tensorboard"),
+)
 
 
-def _setting_history(run_dir: Path) -> list[Path]:
-    """The settings earlier resumes of the run in ``run_dir`` replaced."""
-    return sorted(run_dir.glob("config.until-step-*.yaml"))
+def _earlier_run(run_dir: Path, names) -> list[Path]:
+    """Those of ``names`` in ``run_dir`` that exist, and the settings history of its
+    resumes (config.until-step-N.yaml): what an earlier run left there."""
+    found = [run_dir / n for n in names if (run_dir / n).exists()]
+    return found + sorted(run_dir.glob("config.until-step-*.yaml"))
 
 
 def _holds_something(path: Path) -> bool:
