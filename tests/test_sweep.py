@@ -231,3 +231,34 @@ def test_the_objective_chart_keeps_a_negative_labels_minus_sign_in_the_picture()
     assert sorted(t for _, t in labels) == ["-0.00833", "-0.0167"]
     for x, text in labels:  # font-size 11: at most ~0.6 em a character
         assert float(x) - 0.6 * 11 * len(text) >= 0, (x, text)
+
+
+def test_a_preset_sweeps_base_models_are_reused_only_if_trained_as_this_start_asks(
+    tmp_path, monkeypatch
+):
+    """A later start reuses SWEEP/base/sft and rm when their stages' settings are the same
+    (a change to PPO's alone leaves them valid); an SFT or RM setting changed between
+    starts is refused, where it was reused silently: every trial would have started from a
+    model trained without the override."""
+    from rlhflab.app.sweep_preset import preset_base
+
+    monkeypatch.chdir(tmp_path)
+    small = [
+        "model.policy=preset:nano",
+        "sft.steps=2",
+        "rm.steps=2",
+        "rm.pairs=16",
+        "log.progress=false",
+    ]
+    out = str(tmp_path / "sw")
+    preset_base("quick", 0, out, small)
+    weights = [tmp_path / "sw" / "base" / s / "model.safetensors" for s in ("sft", "rm")]
+    stamps = [w.stat().st_mtime_ns for w in weights]
+    cfg, stage, _, _ = preset_base("quick", 0, out, small + ["ppo.lr=1e-5"])
+    assert stage == "ppo" and cfg.ppo.lr == 1e-5
+    assert [w.stat().st_mtime_ns for w in weights] == stamps  # reused, not trained again
+    with pytest.raises(ConfigError, match=r"base/sft was trained with other settings.*sft\.lr"):
+        preset_base("quick", 0, out, small + ["sft.lr=5e-4"])
+    with pytest.raises(ConfigError, match=r"base/rm was trained with other settings.*rm\.lr"):
+        preset_base("quick", 0, out, small + ["rm.lr=2e-4"])
+    assert [w.stat().st_mtime_ns for w in weights] == stamps

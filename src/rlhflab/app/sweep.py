@@ -294,47 +294,12 @@ def optimise(study, optuna, total: int, objective) -> None:
             )
 
 
-# ---------------------------------------------------------------- --preset: the built-in task
-# The demo's SFT model and reward model, trained once into the sweep's folder, are every
-# trial's starting point and reward; the task's gold reward is the objective.
-
-
-def _complete(folder: Path) -> bool:
-    return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
-
-
-def preset_base(
-    preset: str, seed: int, out: str | None, overrides: list[str]
-) -> tuple[Config, str, Path, str]:
-    """(base config, stage, sweep folder, study name): the demo preset's PPO config, its SFT
-    and reward models trained unless a previous start of the sweep left them whole."""
-    from rlhflab.app.compare import method_config
-    from rlhflab.app.demo import demo_config, sft_stage_config
-    from rlhflab.trainers.rm import train_rm
-    from rlhflab.trainers.sft import train_sft
-
-    name = f"{preset}-s{seed}"
-    sweep_dir = Path(out or Path("runs") / "sweeps" / name)
-    run, cfg = demo_config(preset, seed, sweep_dir.parent, overrides)
-    base_dir = sweep_dir / "base"
-    cfg.sft.output_dir, cfg.rm.output_dir = str(base_dir / "sft"), str(base_dir / "rm")
-    cfg.model.policy, cfg.reward.model = cfg.sft.output_dir, cfg.rm.output_dir
-    if not _complete(base_dir / "sft"):
-        sft_cfg = sft_stage_config(preset, seed, sweep_dir.parent, overrides)
-        sft_cfg.sft.output_dir, sft_cfg.log.progress = cfg.sft.output_dir, cfg.log.progress
-        train_sft(sft_cfg)
-    if not _complete(base_dir / "rm"):
-        train_rm(cfg)
-    stage = cfg.sweep.method
-    if stage != "ppo":
-        cfg = method_config(cfg, stage, sweep_dir)
-    return cfg, stage, sweep_dir, name
-
-
 def base_config(args) -> tuple[Config, str, Path, str]:
     """(base config, stage, sweep folder, study name) from --config or --preset."""
     overrides = list(args.overrides or [])
     if args.preset:
+        from rlhflab.app.sweep_preset import preset_base
+
         return preset_base(args.preset, args.seed, args.out, overrides)
     if not args.config:
         raise ConfigError("rlhflab sweep: give --config FILE or --preset NAME")

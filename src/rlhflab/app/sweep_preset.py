@@ -1,0 +1,87 @@
+"""``rlhflab sweep --preset NAME``: the built-in task's base models for a sweep.
+
+The demo's SFT model and reward model, trained once into ``SWEEP/base``, are every trial's
+starting point and reward; the task's gold reward is the objective. A later start of the
+same sweep reuses them only if they were trained with the settings this start gives their
+stage (:func:`reusable`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from rlhflab.config import Config, ConfigError, absolute_paths
+from rlhflab.config import base as configbase
+from rlhflab.trainers.loop import config_changes
+
+
+def _complete(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
+
+
+# what each base stage reads: a change elsewhere (ppo.*, say) leaves its model valid
+STAGE_SECTIONS = {
+    "sft": ("seed", "model", "data", "sft"),
+    "rm": ("seed", "model", "data", "rm", "reward", "monitor"),
+}
+
+
+def reusable(folder: Path, stage: str, cfg: Config) -> bool:
+    """Whether ``folder`` holds the ``stage`` model this start would train: whole, and
+    trained with the settings ``cfg`` gives that stage (its ``run/config.yaml``). A folder
+    trained under other overrides is refused, not reused: every trial would start from a
+    model the sweep's settings never asked for."""
+    if not _complete(folder):
+        return False
+    recorded_file = folder / "run" / "config.yaml"
+    if not recorded_file.is_file():  # trained before runs recorded their config: as before
+        return True
+    try:
+        recorded = yaml.safe_load(recorded_file.read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"sweep: cannot read {recorded_file}: {e}") from None
+    keep = STAGE_SECTIONS[stage]
+    mine = absolute_paths(configbase.to_dict(cfg))
+    recorded = absolute_paths(recorded) if isinstance(recorded, dict) else {}
+    changes = config_changes(
+        {k: v for k, v in recorded.items() if k in keep},
+        {k: v for k, v in mine.items() if k in keep},
+    )
+    if changes:
+        shown = "; ".join(changes[:4]) + (f" (and {len(changes) - 4} more)" if changes[4:] else "")
+        raise ConfigError(
+            f"sweep: {folder} was trained with other settings than this start gives its "
+            f"{stage} stage ({shown}); give this sweep another --out, or delete {folder.parent} "
+            "to train the base models again"
+        )
+    return True
+
+
+def preset_base(
+    preset: str, seed: int, out: str | None, overrides: list[str]
+) -> tuple[Config, str, Path, str]:
+    """(base config, stage, sweep folder, study name): the demo preset's PPO config, its SFT
+    and reward models trained unless a previous start of the sweep left them whole."""
+    from rlhflab.app.compare import method_config
+    from rlhflab.app.demo import demo_config, sft_stage_config
+    from rlhflab.trainers.rm import train_rm
+    from rlhflab.trainers.sft import train_sft
+
+    name = f"{preset}-s{seed}"
+    sweep_dir = Path(out or Path("runs") / "sweeps" / name)
+    run, cfg = demo_config(preset, seed, sweep_dir.parent, overrides)
+    base_dir = sweep_dir / "base"
+    cfg.sft.output_dir, cfg.rm.output_dir = str(base_dir / "sft"), str(base_dir / "rm")
+    cfg.model.policy, cfg.reward.model = cfg.sft.output_dir, cfg.rm.output_dir
+    sft_cfg = sft_stage_config(preset, seed, sweep_dir.parent, overrides)
+    sft_cfg.sft.output_dir, sft_cfg.log.progress = cfg.sft.output_dir, cfg.log.progress
+    if not reusable(base_dir / "sft", "sft", sft_cfg):
+        train_sft(sft_cfg)
+    if not reusable(base_dir / "rm", "rm", cfg):
+        train_rm(cfg)
+    stage = cfg.sweep.method
+    if stage != "ppo":
+        cfg = method_config(cfg, stage, sweep_dir)
+    return cfg, stage, sweep_dir, name
