@@ -33,6 +33,10 @@ def test_the_command_runs_under_torchrun_each_rank_on_the_allocator(tmp_path):
     assert done.returncode == 0, done.stderr[-12000:]
     expected = "mimalloc" if mimalloc_library() else "system"
     assert done.stderr.count(f"allocator: {expected}") == 2, done.stderr[-4000:]
+    assert f"[rank 1] allocator: {expected}" in done.stderr
+    # what the run does is said once, by rank 0 (each rank said it before)
+    assert done.stderr.count("cast built") == 1, done.stderr[-4000:]
+    assert done.stdout.count("done: 2 iterations") == 1, done.stdout[-2000:]
     assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2
 
 

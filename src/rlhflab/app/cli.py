@@ -168,7 +168,8 @@ def cmd_ppo(args) -> int:
     if args.resume:
         refuse_resume_without_python_rewards(cfg.log.output_dir)
     summary = train(cfg, resume=args.resume)
-    print(f"done: {summary['iterations']} iterations, output in {cfg.log.output_dir}")
+    if _rank() == 0:  # under torchrun, said once
+        print(f"done: {summary['iterations']} iterations, output in {cfg.log.output_dir}")
     return 0
 
 
@@ -183,7 +184,8 @@ def cmd_grpo(args) -> int:
     if args.resume:
         refuse_resume_without_python_rewards(cfg.log.output_dir)
     summary = train(cfg, resume=args.resume)
-    print(f"done: {summary['iterations']} iterations, output in {cfg.log.output_dir}")
+    if _rank() == 0:  # under torchrun, said once
+        print(f"done: {summary['iterations']} iterations, output in {cfg.log.output_dir}")
     return 0
 
 
@@ -301,6 +303,11 @@ COMMANDS = {
 ON_SEVERAL_RANKS = ("ppo", "grpo", "rloo")
 
 
+def _rank() -> int:
+    """This process's rank under torchrun (0 outside it)."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
@@ -338,15 +345,22 @@ def main(argv: list[str] | None = None) -> int:
         except AllocatorError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    logging.getLogger(__name__).info("allocator: %s", in_use())
+    # under torchrun rank 0 says what happens; the other ranks only warnings, named
+    rank = _rank()
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format="%(message)s" if rank == 0 else f"[rank {rank}] %(message)s",
+    )
+    if rank == 0:
+        logging.getLogger(__name__).info("allocator: %s", in_use())
+    else:  # each process has its own: every rank says which
+        print(f"[rank {rank}] allocator: {in_use()}", file=sys.stderr)
     try:
         code = COMMANDS[args.command](args)
     except user_errors() as exc:
         # under torchrun every rank meets the same config errors and halts: rank 0 says
         # them, once. Others (a reward function raising on one rank's answers, a file
         # missing on one node) a rank may meet alone: each rank says those, with its rank
-        rank = int(os.environ.get("RANK", "0"))
         if rank == 0:
             print(f"error: {exc}", file=sys.stderr)
         elif not isinstance(exc, every_rank_errors()):
@@ -355,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         # Ctrl-C: checkpoints and result files are written whole or not at all, so what is
         # on disk is the last one finished; a traceback would only say where Python was
-        if int(os.environ.get("RANK", "0")) == 0:
+        if rank == 0:
             resumable = args.command in ("ppo", "grpo", "rloo", "dpo", "sft", "rm")
             after = "; --resume continues from its newest whole checkpoint" if resumable else ""
             print(f"interrupted: rlhflab {args.command} stopped{after}", file=sys.stderr)
