@@ -14,7 +14,14 @@ from tests.test_ppo import make_cfg
 
 
 def build(kind: str, out, tied: bool, pad: str, side: str):
-    from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        BloomConfig,
+        BloomForCausalLM,
+        GPT2Config,
+        GPT2LMHeadModel,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     tok = build_tokenizer(default_corpus())
     # the token GPT-2's and Qwen2's tokenizer classes expect (real checkpoints carry it)
@@ -32,6 +39,9 @@ def build(kind: str, out, tied: bool, pad: str, side: str):
             tie_word_embeddings=tied, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1, **ids,
         )  # fmt: skip
         model = GPT2LMHeadModel(cfg)
+    elif kind == "bloom":  # ALiBi positions, no rotary: its attention takes a 2-D mask only
+        cfg = BloomConfig(vocab_size=len(tok), hidden_size=32, n_layer=2, n_head=4, **ids)
+        model = BloomForCausalLM(cfg)
     else:
         cfg = Qwen2Config(
             vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -199,3 +209,37 @@ def test_an_int8_gpt2_quantises_its_conv1d_layers_too(built):
     with torch.no_grad():
         a, b = fp32(ids).logits, int8(ids).logits
     assert (a - b).abs().max() < 0.05 * a.abs().max()
+
+
+def test_the_opener_probe_on_a_model_whose_attention_takes_no_tree_mask(tmp_path, caplog):
+    # Bloom's ALiBi builds its biases from a 2-D mask and raised on the probe's tree-shaped
+    # 4-D one: PPO with the default monitor ended in a traceback. The probe now checks a
+    # model once and scores such a model with a forward per spelling, saying so once
+    from rlhflab.experience.opener import opener_logprobs
+    from rlhflab.experience.rollout import left_pad
+
+    folder, _ = build("bloom", tmp_path / "bloom", True, "own", "left")
+    cfg = make_cfg(tmp_path, f"model.policy={folder}", "ppo.iterations=1")
+    cfg.model.runtime, cfg.monitor.flattery_opener_ratio = "transformers", 5.0
+    t = PPOTrainer(cfg)
+    with caplog.at_level("WARNING", logger="rlhflab.experience.opener"):
+        t.fit()
+    said = [r.message for r in caplog.records if "tree-shaped attention mask" in r.message]
+    assert len(said) == 1 and "BloomForCausalLM" in said[0], said
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["monitor/flattery_opener_ratio"] == pytest.approx(1.0, abs=1e-4)
+    # the numbers are the plain loop's: prompt + spelling, one forward each
+    lm, tok = t.cast.policy_lm, t.cast.tokenizer
+    prompts = [tok("copy: tree lime", add_special_tokens=False)["input_ids"], [5, 6]]
+    ids, mask = left_pad(prompts, tok.pad_token_id)
+    got = opener_logprobs(lm, tok, ids, mask, ["Great question"], 1.0, micro_batch=2)
+    for b, p in enumerate(prompts):
+        total = []
+        for v in ("Great question", " Great question"):
+            r = tok(v, add_special_tokens=False)["input_ids"][:4]
+            with torch.no_grad():
+                logp = torch.log_softmax(lm(torch.tensor([p + r])).logits[0].double(), -1)
+            total.append(sum(logp[len(p) - 1 + j, x] for j, x in enumerate(r)))
+        assert float(got[b]) == pytest.approx(
+            float(torch.logsumexp(torch.stack(total), 0)), abs=1e-4
+        )

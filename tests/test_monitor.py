@@ -189,6 +189,11 @@ def test_opener_logprobs_match_a_plain_loop_over_prompts_and_spellings():
     torch.testing.assert_close(
         opener_logprobs(lm, tok, ids, mask, phrases, 0.7, micro_batch=1), got
     )
+    # a forward per spelling (for models whose attention takes no tree mask) is the same
+    from rlhflab.experience import opener
+
+    opener._TREE_MASK[lm] = False
+    torch.testing.assert_close(opener_logprobs(lm, tok, ids, mask, phrases, 0.7, 2), got)
 
 
 def opener_cast(runtime: str, lora: bool):

@@ -31,6 +31,8 @@ prompts) and the vocabulary projection of every one of them.
 
 from __future__ import annotations
 
+import logging
+import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -39,6 +41,8 @@ import torch
 from rlhflab import models as M
 from rlhflab.core import algorithms as A
 from rlhflab.experience.sampling import PromptCaches, PromptPrefix, cache_kwarg, distinct_rows
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -123,6 +127,20 @@ def opener_logprobs(
     """
     sp = spellings(tokenizer, phrases, max_tokens).to(prompt_ids.device)
     same = distinct_rows(prompt_ids, prompt_mask)[1] if distinct else None
+    if sp.tokens.shape[0] and not takes_tree_mask(model, sp, prompt_ids, prompt_mask, temperature):
+        if isinstance(prefixes, list):
+            prefixes.clear()  # the kept caches serve nothing here: freed now
+        rows = distinct_rows(prompt_ids, prompt_mask)[0] if distinct else None
+        if rows is None:
+            rows = torch.arange(prompt_ids.shape[0], device=prompt_ids.device)
+        out = None
+        for s in range(0, len(rows), micro_batch):
+            part = rows[s : s + micro_batch]
+            lp = _opener_by_forwards(model, sp, prompt_ids[part], prompt_mask[part], temperature)
+            if out is None:
+                out = lp.new_full((prompt_ids.shape[0],), float("nan"))
+            out[part] = lp
+        return out if same is None else out[same]
     if not prefixes:  # None, or no forward kept them (e.g. a path that keeps no caches)
         prefixes = prompt_prefixes(model, prompt_ids, prompt_mask, micro_batch, distinct)
     out = None
@@ -187,6 +205,66 @@ def _opener_after(model, sp: Spellings, prefix: PromptPrefix, mask, temperature)
         later = A.logprobs_at(out.logits, sp.node, sp.target, temperature)
         logp = logp.index_add(1, sp.owner, later.to(logp.dtype))
     return torch.logsumexp(logp, dim=1)
+
+
+def _opener_by_forwards(model, sp: Spellings, ids, mask, temperature) -> torch.Tensor:
+    """(b,) as :func:`_opener_after`, one forward per spelling over prompt + spelling with a
+    plain (b, P + l) mask: for a model whose attention takes no tree-shaped 4-D mask."""
+    b, per = ids.shape[0], []
+    for k in range(sp.first.shape[0]):
+        spelled = torch.cat([sp.first[k : k + 1], sp.target[sp.owner == k]])  # (l,)
+        n = spelled.shape[0]
+        full_mask = torch.cat([mask, mask.new_ones(b, n)], 1)
+        out = model(
+            input_ids=torch.cat([ids, spelled.expand(b, n)], 1),
+            attention_mask=full_mask,
+            position_ids=M.position_ids_from_mask(full_mask),
+            use_cache=False,
+            logits_to_keep=n + 1,  # the last prompt position predicts the first token
+        )
+        positions = torch.arange(n, device=ids.device)
+        per.append(A.logprobs_at(out.logits, positions, spelled, temperature).sum(1))
+    return torch.logsumexp(torch.stack(per, 1), dim=1)
+
+
+# model → whether the probe's tree-shaped mask gives its numbers (decided once per model)
+_TREE_MASK: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_SAID: set[str] = set()
+
+
+def takes_tree_mask(model, sp: Spellings, prompt_ids, prompt_mask, temperature) -> bool:
+    """Whether ``model`` scores the spellings right with the tree-shaped 4-D mask, checked
+    once per model against one forward per spelling on the first prompt. Not every
+    attention takes a 4-D mask (Bloom's ALiBi wants a 2-D one and raises), and one that
+    took it but read it otherwise would give wrong numbers silently: either way the probe
+    then runs a forward per spelling (same numbers, more work), and says so once."""
+    known = _TREE_MASK.get(model)
+    if known is not None:
+        return known
+    ids, mask = prompt_ids[:1], prompt_mask[:1]
+    want = _opener_by_forwards(model, sp, ids, mask, temperature)
+    try:
+        prefix = next(iter(prompt_prefixes(model, ids, mask, 1, distinct=False)))
+        got = _opener_after(model, sp, prefix, mask, temperature)
+        # 16-bit arithmetic differs between a cached and a whole forward by far more than
+        # fp32's rounding; a misread mask differs by whole nats
+        low = any(p.dtype in (torch.bfloat16, torch.float16) for p in model.parameters())
+        low = low or torch.is_autocast_enabled(prompt_ids.device.type)
+        tol = (0.25 if low else 1e-3) * (1 + float(want.abs().max()))
+        diff = float((got.float() - want.float()).abs().max())
+        why = None if diff <= tol else f"it differs by {diff:.3g} from a forward per spelling"
+    except Exception as exc:  # noqa: BLE001 - any failure of the 4-D path means: don't use it
+        why = f"{type(exc).__name__}: {exc}"
+    if why is not None and type(model).__name__ not in _SAID:
+        _SAID.add(type(model).__name__)  # once per kind of model (policy and reference alike)
+        log.warning(
+            "monitor: %s takes no tree-shaped attention mask (%s); the flattery-opener probe "
+            "runs one forward per phrase spelling on it (same numbers, slower)",
+            type(model).__name__,
+            why.splitlines()[0][:200],
+        )
+    _TREE_MASK[model] = why is None
+    return why is None
 
 
 def _as_model_mask(model, sees: torch.Tensor) -> torch.Tensor:
