@@ -36,6 +36,7 @@ from rlhflab.infra.files import write_lines_atomic, write_text_atomic
 from rlhflab.infra.runs import PolicySource, find_policy, is_run_dir, read_run_config
 from rlhflab.models import positions_of
 from rlhflab.models.build import load_model, load_tokenizer_for
+from rlhflab.models.text import encode_prompt
 from rlhflab.trainers.common import progress
 
 log = logging.getLogger(__name__)
@@ -154,7 +155,7 @@ def _check_room(src: PolicySource, prompts: list[str], max_new_tokens: int) -> N
     if limit is None or not prompts:
         return
     tok = src.tokenizer
-    longest = max(len(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts)
+    longest = max(len(encode_prompt(tok, p)) for p in prompts)
     if longest + max_new_tokens > limit:
         raise ConfigError(
             f"rollout.max_new_tokens: the longest prompt ({longest} tokens) + "

@@ -32,6 +32,7 @@ from rlhflab.experience.rows import (  # noqa: F401  (re-exported: the names cal
     source_name,
     unclosed_quote_line,
 )
+from rlhflab.models.text import encode_prompt
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ def _prompt_from_row(row: dict, tokenizer, max_tokens, where, prompt_field, mess
         raise DataError(f"{where}: missing field '{prompt_field}' (or '{messages_field}')")
     if not text.strip():
         raise DataError(f"{where}: field '{name}' is empty")
-    n_tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    n_tokens = len(encode_prompt(tokenizer, text))
     if n_tokens > max_tokens:
         raise DataError(
             f"{where}: field '{name}' is {n_tokens} tokens, over the limit of "
@@ -161,7 +162,7 @@ def check_fits(tokenizer, limit: int | None, where: str, prompt: str, answers: d
     first answer (name → text) that does not is a DataError naming ``where`` and the field."""
     if limit is None:
         return
-    n_prompt = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    n_prompt = len(encode_prompt(tokenizer, prompt))
     for name, answer in answers.items():
         n = n_prompt + len(tokenizer(answer, add_special_tokens=False)["input_ids"]) + 1
         if n > limit:

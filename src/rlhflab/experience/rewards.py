@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from rlhflab.models import Offloaded, fp32_head, last_token_hidden, same_tokenizer
+from rlhflab.models import Offloaded, encode_prompt, fp32_head, last_token_hidden, same_tokenizer
 
 
 class RewardError(RuntimeError):
@@ -62,7 +62,7 @@ def encode_for_reward(
             f"{len(ended)} ended flags"
         )
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
-    heads = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    heads = [encode_prompt(tokenizer, p) for p in prompts]
     tails = [
         tokenizer(a, add_special_tokens=False)["input_ids"] + ([eos] if e else [])
         for a, e in zip(answers, ended)

@@ -82,7 +82,7 @@ def generate_rollout(
     ``autocast``: the context sampling runs in (``ModelCast.autocast`` for the policy).
     ``prompt_caches`` keeps the prompts' KV cache for the monitor's opener probe;
     ``sampler``: how each token is drawn (``rollout.sampler``; sampling.draw_tokens)."""
-    encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    encoded = [M.encode_prompt(tokenizer, p) for p in prompts]
     prompt_ids, prompt_mask = left_pad(encoded, tokenizer.pad_token_id)
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
     with autocast():

@@ -67,6 +67,7 @@ from rlhflab.models.prepare import (
     require_fp32_trainable,
     zero_dropout_fields,
 )
+from rlhflab.models.text import encode_prompt, leading_special_ids
 
 __all__ = [
     "ALL_LINEAR",
@@ -88,6 +89,7 @@ __all__ = [
     "critic_from_causal_lm",
     "critic_from_reward_model",
     "disable_dropout",
+    "encode_prompt",
     "enable_gradient_checkpointing",
     "first_line",
     "fp32_head",
@@ -98,6 +100,7 @@ __all__ = [
     "is_checkpointing",
     "last_real_index",
     "last_token_hidden",
+    "leading_special_ids",
     "linear_layers",
     "load_causal_lm",
     "load_lora_adapter",

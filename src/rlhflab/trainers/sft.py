@@ -57,7 +57,7 @@ def encode_pairs(tokenizer, pairs: list[tuple[str, str]]):
     response tokens and the EOS."""
     rows, masks = [], []
     for prompt, response in pairs:
-        p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        p = M.encode_prompt(tokenizer, prompt)  # with the tokenizer's BOS, if it adds one
         r = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         rows.append(p + r)
         masks.append([0] * len(p) + [1] * len(r))
