@@ -3,6 +3,9 @@ get it once, as ``tokenizer(text)`` and ``generate`` give it, in sampling, SFT/D
 and the reward model's input; a chat template that writes BOS itself gets no second one.
 Before, every encoder passed ``add_special_tokens=False`` and BOS was never there."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from tokenizers.processors import TemplateProcessing
@@ -86,3 +89,59 @@ def test_tokenizers_that_add_nothing_are_left_as_they_were():
     assert (
         M.encode_prompt(tok, "copy: cat") == tok("copy: cat", add_special_tokens=False)["input_ids"]
     )
+
+
+def test_answers_end_at_every_id_the_generation_config_lists(tmp_path, caplog):
+    # a Gemma-2-it-like checkpoint: its turn ends with <end_of_turn>, which is not the
+    # tokenizer's EOS but is in generation_config.json's eos_token_id; this model always
+    # writes it. Stopping at EOS alone ran every answer to max_new_tokens
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tok = build_tokenizer(default_corpus())
+    tok.add_special_tokens({"additional_special_tokens": ["<end_of_turn>"]})
+    eot = tok.convert_tokens_to_ids("<end_of_turn>")
+    cfg = GPT2Config(
+        vocab_size=len(tok), n_positions=64, n_embd=32, n_layer=2, n_head=2,
+        eos_token_id=tok.eos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(cfg)
+    with torch.no_grad():  # every position's logits: <end_of_turn> far ahead
+        model.transformer.ln_f.weight.zero_()
+        model.transformer.ln_f.bias.zero_()
+        model.transformer.ln_f.bias[0] = 1.0
+        model.transformer.wte.weight[eot, 0] = 50.0
+    for name, listed in (("eot", [tok.eos_token_id, eot]), ("plain", tok.eos_token_id)):
+        model.generation_config.eos_token_id = listed
+        model.save_pretrained(tmp_path / name)
+        tok.save_pretrained(tmp_path / name)
+    with caplog.at_level("INFO", logger="rlhflab.models.text"):
+        loaded = M.load_tokenizer(tmp_path / "eot")
+    assert M.stop_ids(loaded) == (tok.eos_token_id, eot)
+    assert any("'<end_of_turn>'" in r.message for r in caplog.records)
+    lm = M.load_causal_lm(tmp_path / "eot", loaded).eval()
+    ro = generate_rollout(lm, loaded, PROMPTS, 6, 1.0, 0, 1.0, None, "cpu")
+    assert ro.response_mask.sum(1).tolist() == [1, 1] and ro.ended.all()
+    assert (ro.response_ids[:, 0] == eot).all() and ro.responses == ["", ""]
+    # a folder that lists only EOS (and an ignore_eos run) goes on to max_new_tokens
+    plain = M.load_tokenizer(tmp_path / "plain")
+    assert M.stop_ids(plain) == (tok.eos_token_id,)
+    ro = generate_rollout(lm, plain, PROMPTS, 6, 1.0, 0, 1.0, None, "cpu")
+    assert ro.response_mask.sum(1).tolist() == [6, 6] and not ro.ended.any()
+
+
+def test_a_native_model_saves_the_generation_config_it_was_read_with(tmp_path):
+    # the native runtime wrote config.json and weights only: an SFT output or export of a
+    # chat checkpoint lost the stop ids of its generation_config.json
+    src = M.resolve_path("preset:nano")
+    tok = M.load_tokenizer(src, runtime="native")
+    lm = M.load_causal_lm(src, tok, runtime="native")
+    fields = json.loads((Path(src) / "generation_config.json").read_text())
+    fields["eos_token_id"] = [tok.eos_token_id, 5]
+    lm.generation_fields = fields
+    lm.save_pretrained(tmp_path / "out")
+    tok.save_pretrained(tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "generation_config.json").read_text()) == fields
+    assert M.stop_ids(M.load_tokenizer(tmp_path / "out")) == (tok.eos_token_id, 5)
+    again = M.load_causal_lm(tmp_path / "out", tok, runtime="native")
+    assert again.generation_fields == fields

@@ -35,6 +35,9 @@ class _NativePreTrained(nn.Module):
 
     supports_gradient_checkpointing = True
     architecture = ""  # the transformers class name written into config.json
+    # the source folder's generation_config.json (its stop ids, sampling defaults), written
+    # again by save_pretrained, as transformers' models carry theirs
+    generation_fields: dict | None = None
 
     def __init__(self, cfg: NativeConfig):
         super().__init__()
@@ -87,6 +90,9 @@ class _NativePreTrained(nn.Module):
         fields["vocab_size"] = self.get_input_embeddings().num_embeddings
         fields["dtype"] = str(self.get_input_embeddings().weight.dtype).replace("torch.", "")
         (folder / "config.json").write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
+        if self.generation_fields:
+            text = json.dumps(self.generation_fields, indent=2, sort_keys=True) + "\n"
+            (folder / "generation_config.json").write_text(text)
         state = self.state_dict() if state_dict is None else state_dict
         if getattr(self.config, "tie_word_embeddings", False):
             state = {k: v for k, v in state.items() if k != "lm_head.weight"}
@@ -350,6 +356,12 @@ def load_native(
     cls = NativeLlamaForCausalLM if kind == "causal" else NativeLlamaForSequenceClassification
     with _uninitialised():  # uninitialised memory is not resident until written
         model = cls(cfg)
+    generation = folder / "generation_config.json"
+    if kind == "causal" and generation.is_file():
+        try:
+            model.generation_fields = json.loads(generation.read_text())
+        except (OSError, ValueError):
+            pass  # sampling settings are rlhflab's own; a broken file is not carried on
     state = read_weights(folder, dtype)
     if kind != "causal":
         state.pop("lm_head.weight", None)

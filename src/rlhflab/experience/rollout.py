@@ -91,7 +91,7 @@ def generate_rollout(
             prompt_ids,
             prompt_mask,
             max_new_tokens,
-            None if ignore_eos else tokenizer.eos_token_id,
+            None if ignore_eos else M.stop_ids(tokenizer),
             tokenizer.pad_token_id,
             temperature,
             top_k,

@@ -230,6 +230,15 @@ def _refuse_undrawable(top: torch.Tensor) -> None:
     raise ValueError(f"draw_tokens: the logits of row {bad} hold NaN or +inf")
 
 
+def _stop_test(eos_id, device):
+    """tokens → bool of the same shape: which end an answer (one id, or any of several)."""
+    if eos_id is None or isinstance(eos_id, int) or len(eos_id) == 1:
+        one = eos_id if eos_id is None or isinstance(eos_id, int) else eos_id[0]
+        return lambda t: t == one
+    ids = torch.tensor(list(eos_id), dtype=torch.long, device=device)
+    return lambda t: torch.isin(t, ids)
+
+
 @torch.no_grad()
 # Just over 80 lines: the KV-cached sampling loop is kept in one piece, since it is the
 # hot path of every iteration and its per-step state (cache, finished rows, scores) is local.
@@ -238,7 +247,7 @@ def sample(
     prompt_ids,
     prompt_mask,
     max_new_tokens: int,
-    eos_id: int | None,
+    eos_id: int | tuple[int, ...] | None,
     pad_id: int,
     temperature: float = 1.0,
     top_k: int = 0,
@@ -252,8 +261,9 @@ def sample(
     """Sample answers with a KV cache. Returns (response_ids, response_mask, ended).
 
     Tokens after a row's first EOS are pad and masked out; the EOS itself is kept in the
-    mask. Generation stops early once every row has ended. ``eos_id=None`` makes EOS an
-    ordinary token: every answer is ``max_new_tokens`` long (benchmarks need equal work).
+    mask. Generation stops early once every row has ended. ``eos_id``: the id, or the ids
+    (``models.stop_ids``), that end an answer; None makes EOS an ordinary token: every
+    answer is ``max_new_tokens`` long (benchmarks need equal work).
     ``scores`` records each step's log-prob and entropy (and value) of the drawn token,
     computed from the untruncated distribution at ``temperature``, as training computes them.
     ``prompts`` keeps the prompts' part of the KV cache and the prefill's logits for the
@@ -269,6 +279,7 @@ def sample(
         )
         _warned_truncated = True
     B, device = prompt_ids.shape[0], prompt_ids.device
+    ends = _stop_test(eos_id, device)
     mask = prompt_mask.clone()
     positions = M.position_ids_from_mask(mask)
     cache_key = cache_kwarg(model)
@@ -294,7 +305,7 @@ def sample(
         tokens.append(nxt)
         done = False
         if eos_id is not None:  # (without one, nothing finishes early: no host sync a step)
-            finished = finished | (nxt == eos_id)
+            finished = finished | ends(nxt)
             done = bool(finished.all())
         if all_done is not None:  # data parallel with sharded weights: stop together
             done = all_done(done)
@@ -313,9 +324,7 @@ def sample(
         prompts.keep(getattr(out, cache_key), first_logits, prompt_ids, prompt_mask)
     response = torch.stack(tokens, dim=1)
     # mask: everything up to and including the first EOS
-    is_eos = (
-        response == eos_id if eos_id is not None else torch.zeros_like(response, dtype=torch.bool)
-    )
+    is_eos = ends(response) if eos_id is not None else torch.zeros_like(response, dtype=torch.bool)
     after_eos = (is_eos.long().cumsum(1) - is_eos.long()) > 0
     response_mask = (~after_eos).long()
     response = torch.where(after_eos, torch.full_like(response, pad_id), response)

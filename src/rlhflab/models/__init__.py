@@ -67,7 +67,7 @@ from rlhflab.models.prepare import (
     require_fp32_trainable,
     zero_dropout_fields,
 )
-from rlhflab.models.text import encode_prompt, leading_special_ids
+from rlhflab.models.text import encode_prompt, leading_special_ids, stop_ids
 
 __all__ = [
     "ALL_LINEAR",
@@ -118,6 +118,7 @@ __all__ = [
     "resolve_path",
     "same_tokenizer",
     "set_precision",
+    "stop_ids",
     "token_values",
     "zero_dropout_fields",
 ]

@@ -24,6 +24,7 @@ from rlhflab.models.prepare import (
     hf_load,
 )
 from rlhflab.models.presets import preset_path
+from rlhflab.models.text import record_stop_ids
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +149,7 @@ def load_tokenizer(
         # (SmolLM2, Llama 3). A new token would resize the embeddings, could be sampled,
         # and would make a LoRA checkpoint carry the whole embedding matrix.
         tok.pad_token = tok.eos_token
+    record_stop_ids(tok, Path(path))
     return tok
 
 

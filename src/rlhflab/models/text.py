@@ -11,6 +11,12 @@ those tokens (a chat template that writes ``{{ bos_token }}``) gets none again.
 
 from __future__ import annotations
 
+import json
+import logging
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
 _PROBE = "Hello world"
 
 
@@ -41,3 +47,32 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
     if lead and ids[: len(lead)] != lead:
         return lead + ids
     return ids
+
+
+def record_stop_ids(tokenizer, folder: Path) -> None:
+    """Note on ``tokenizer`` the tokens that end an answer: its EOS, and every id of the
+    folder's ``generation_config.json`` ``eos_token_id`` (an int or a list), as ``generate``
+    stops on them. Chat checkpoints end a turn with a token that is not the tokenizer's EOS
+    (Gemma 2's ``<end_of_turn>``, Phi-3's ``<|end|>``, Llama 3's ``<|eot_id|>`` in some
+    releases): stopping at EOS alone ran every answer to ``max_new_tokens`` into a made-up
+    next turn, each one penalised as unfinished."""
+    ids = [tokenizer.eos_token_id]
+    path = folder / "generation_config.json"
+    if path.is_file():
+        try:
+            listed = json.loads(path.read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            listed = None  # transformers reads (or refuses) the file itself
+        listed = listed if isinstance(listed, list) else [listed]
+        size = len(tokenizer)
+        ids += [t for t in listed if isinstance(t, int) and 0 <= t < size and t not in ids]
+    tokenizer.__dict__["_rlhflab_stop_ids"] = tuple(ids)
+    if len(ids) > 1:
+        names = ", ".join(repr(tokenizer.convert_ids_to_tokens(t)) for t in ids)
+        log.info("answers end at any of %s (%s's generation_config.json)", names, folder.name)
+
+
+def stop_ids(tokenizer) -> tuple[int, ...]:
+    """The ids that end an answer (:func:`record_stop_ids`; a tokenizer rlhflab did not
+    load from a folder: its EOS)."""
+    return tokenizer.__dict__.get("_rlhflab_stop_ids") or (tokenizer.eos_token_id,)
