@@ -334,3 +334,19 @@ def test_a_run_started_with_relative_paths_is_found_from_anywhere(
     assert main(["export", run, str(tmp_path / "merged")]) == 0
     assert main(["generate", "--model", run, "--prompts", str(prompts_file)]) == 0
     assert len((tmp_path / "answers.jsonl").read_text().splitlines()) == len(PROMPTS)
+
+
+def test_export_of_a_native_run_names_the_class_its_config_json_names(tmp_path, capsys):
+    run = tmp_path / "native"
+    assert (
+        main(
+            ["ppo", *TINY_RUN, "ppo.iterations=1", "model.runtime=native", f"log.output_dir={run}"]
+        )
+        == 0
+    )
+    capsys.readouterr()
+    assert main(["export", str(run), str(tmp_path / "out")]) == 0
+    said = capsys.readouterr().out
+    assert ": LlamaForCausalLM," in said and "Native" not in said, said
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]

@@ -125,7 +125,8 @@ def run_export(args) -> dict:
         "run": str(run),
         "checkpoint": src.checkpoint.name,
         "out": str(out),
-        "model_class": type(model).__name__,
+        # the class the exported config.json names (the native runtime's own is not one)
+        "model_class": getattr(model, "architecture", "") or type(model).__name__,
         "parameters": sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n),
         "dtype": args.dtype,
         "lora": {"r": src.options.lora_r, "alpha": src.options.lora_alpha} if src.is_lora else None,
