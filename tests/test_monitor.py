@@ -275,6 +275,10 @@ def test_the_opener_probe_on_the_iterations_own_prompt_caches_is_the_plain_probe
                 spellings.append(logp.gather(1, torch.tensor(r)[:, None]).sum())
             want = torch.logsumexp(torch.stack(spellings), 0)
             assert float(reused[b]) == pytest.approx(float(want), abs=1e-10)
+        # the token tree, not the forward per spelling (a LoRA reference is no nn.Module)
+        from rlhflab.experience.opener import _TREE_MASK
+
+        assert _TREE_MASK[model] is True, role
 
 
 @pytest.mark.parametrize("runtime", ["transformers", "native"])

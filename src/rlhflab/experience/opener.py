@@ -243,18 +243,21 @@ def takes_tree_mask(model, sp: Spellings, prompt_ids, prompt_mask, temperature) 
         return known
     ids, mask = prompt_ids[:1], prompt_mask[:1]
     want = _opener_by_forwards(model, sp, ids, mask, temperature)
-    try:
+    # 16-bit arithmetic differs between a cached and a whole forward by far more than
+    # fp32's rounding; a misread mask differs by whole nats
+    weights = getattr(model, "peft_model", model)  # a LoRA reference: the policy's base
+    low = torch.is_autocast_enabled(prompt_ids.device.type) or any(
+        p.dtype in (torch.bfloat16, torch.float16) for p in weights.parameters()
+    )
+    tol = (0.25 if low else 1e-3) * (1 + float(want.abs().max()))
+    try:  # the model's forward with the tree-shaped mask, and nothing else
         prefix = next(iter(prompt_prefixes(model, ids, mask, 1, distinct=False)))
         got = _opener_after(model, sp, prefix, mask, temperature)
-        # 16-bit arithmetic differs between a cached and a whole forward by far more than
-        # fp32's rounding; a misread mask differs by whole nats
-        low = any(p.dtype in (torch.bfloat16, torch.float16) for p in model.parameters())
-        low = low or torch.is_autocast_enabled(prompt_ids.device.type)
-        tol = (0.25 if low else 1e-3) * (1 + float(want.abs().max()))
+    except Exception as exc:  # any failure of the 4-D path means: do not use it
+        why = f"{type(exc).__name__}: {exc}"
+    else:
         diff = float((got.float() - want.float()).abs().max())
         why = None if diff <= tol else f"it differs by {diff:.3g} from a forward per spelling"
-    except Exception as exc:  # noqa: BLE001 - any failure of the 4-D path means: don't use it
-        why = f"{type(exc).__name__}: {exc}"
     if why is not None and type(model).__name__ not in _SAID:
         _SAID.add(type(model).__name__)  # once per kind of model (policy and reference alike)
         log.warning(
