@@ -191,7 +191,7 @@ def test_quick_demo_improves_gold_reward(tmp_path, capsys):
     rows = read_jsonl(run / "metrics.jsonl")
     assert all("monitor/flattery_excess" in r and r["monitor/alerts"] == 0 for r in rows)
     assert rows[0]["monitor/flattery_opener_ratio"] == pytest.approx(1.0, abs=1e-3)  # π = π_ref
-    assert not (run / "alerts.jsonl").exists() or not (run / "alerts.jsonl").read_text()
+    assert (run / "alerts.jsonl").read_text() == ""  # there, and empty
 
     # the same SFT model trained against the politeness head alone (it pays for "Great
     # question!") with a tiny β: the proxy climbs, the gold falls, and the monitors say so

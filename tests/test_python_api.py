@@ -46,7 +46,7 @@ def nano_object(dropout: float = 0.0):
     return model, AutoTokenizer.from_pretrained(path)
 
 
-def test_ppo_from_python_with_a_model_object_a_lambda_and_a_prompt_list(tmp_path):
+def test_ppo_from_python_with_a_model_object_a_lambda_and_a_prompt_list(tmp_path, capsys, caplog):
     model, tokenizer = nano_object(dropout=0.1)
     model.train()
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -60,6 +60,9 @@ def test_ppo_from_python_with_a_model_object_a_lambda_and_a_prompt_list(tmp_path
         output_dir=tmp_path / "run",
         callbacks=[lambda t, step, m: seen.append((step, m["objective/scores"]))],
     )
+    # said at the default level (a warning): the run cannot be resumed from the command
+    said = [r for r in caplog.records if "cannot be imported by name" in r.message]
+    assert said and said[0].levelname == "WARNING"
     # the object went through the command's loader: a folder in inputs/, dropout off
     assert trainer.config.model.policy == str(tmp_path / "run" / "inputs" / "policy")
     assert trainer.model.config.attention_dropout == 0.0
@@ -86,7 +89,10 @@ def test_ppo_from_python_with_a_model_object_a_lambda_and_a_prompt_list(tmp_path
     from rlhflab.app.cli import main
 
     argv = ["ppo", "--config", str(tmp_path / "run/config.yaml"), "--resume"]
+    capsys.readouterr()
     assert main(argv) == 2
+    # saying why (its config.yaml names no reward: that refusal came first, and blamed it)
+    assert "was trained with Python rewards its config.yaml cannot name" in capsys.readouterr().err
     for kept in (tmp_path / "run", tmp_path):  # never over the run, forced or not
         with pytest.raises(ExportError, match="would delete"):
             trainer.save(kept, force=True)

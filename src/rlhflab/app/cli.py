@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 
 from rlhflab.app.around import add_parsers, cmd_eval, cmd_export, cmd_generate
 from rlhflab.app.user_errors import every_rank_errors, user_errors
@@ -159,28 +160,29 @@ def cmd_config(args) -> int:
     return 0
 
 
+def _load_to_resume(args, stage: str):
+    """The command's config; where it is refused and ``--resume`` reads a run's own
+    config.yaml that a Python caller's rewards left without any reward (they cannot be
+    named in it), the refusal says that, not that the config lacks a reward."""
+    from rlhflab.app.inputs import refuse_resume_without_python_rewards
+    from rlhflab.config import ConfigError, load_config
+
+    try:
+        return load_config(args.config, args.overrides, stage=stage)
+    except ConfigError:
+        if args.resume and args.config:
+            refuse_resume_without_python_rewards(Path(args.config).parent)
+        raise
+
+
 def cmd_ppo(args) -> int:
+    """ppo, grpo and rloo: the command names the advantage estimator
+    (ppo.advantage_estimator), one loop for all; grpo's and rloo's other defaults are the
+    stage's (config.stages.STAGE_DEFAULTS)."""
     from rlhflab.app.inputs import refuse_resume_without_python_rewards
-    from rlhflab.config import load_config
     from rlhflab.trainers.ppo import train
 
-    cfg = load_config(args.config, args.overrides)
-    if args.resume:
-        refuse_resume_without_python_rewards(cfg.log.output_dir)
-    summary = train(cfg, resume=args.resume)
-    if _rank() == 0:  # under torchrun, said once
-        print(f"done: {summary['iterations']} iterations, output in {cfg.log.output_dir}")
-    return 0
-
-
-def cmd_grpo(args) -> int:
-    from rlhflab.app.inputs import refuse_resume_without_python_rewards
-    from rlhflab.config import load_config
-    from rlhflab.trainers.ppo import train
-
-    # the command names the advantage estimator (ppo.advantage_estimator): one loop for all;
-    # its other defaults are the stage's (config.stages.STAGE_DEFAULTS)
-    cfg = load_config(args.config, args.overrides, stage=args.command)
+    cfg = _load_to_resume(args, stage=args.command)
     if args.resume:
         refuse_resume_without_python_rewards(cfg.log.output_dir)
     summary = train(cfg, resume=args.resume)
@@ -288,8 +290,8 @@ COMMANDS = {
     "demo": cmd_demo,
     "report": cmd_report,
     "convert-gguf": cmd_convert_gguf,
-    "grpo": cmd_grpo,
-    "rloo": cmd_grpo,
+    "grpo": cmd_ppo,
+    "rloo": cmd_ppo,
     "dpo": cmd_dpo,
     "compare": cmd_compare,
     "sweep": cmd_sweep,

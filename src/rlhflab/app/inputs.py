@@ -254,7 +254,7 @@ def apply_rewards(cfg: Config, reward, tokenizer, inputs: Path, reuse: bool) -> 
                 if name in taken:  # two lambdas: each component keeps its own log column
                     name = f"{name}#{len(out.extra) + 1}"
                 source = CallableReward(item, name)
-                log.info(
+                log.warning(
                     "reward %s cannot be imported by name (a lambda, a closure or a function "
                     "of __main__): it is not in config.yaml; resume this run from Python with "
                     "the same callable",

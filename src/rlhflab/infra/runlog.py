@@ -44,6 +44,9 @@ class RunLog:
         else:
             for p in paths:
                 p.unlink(missing_ok=True)
+        # every run has one, empty while no alert fired: a script reading it needs no
+        # existence check (metrics and samples appear with the first iteration)
+        self.alerts_path.touch()
         self.tb = self.wandb = None
         if tensorboard:
             try:
