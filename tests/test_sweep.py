@@ -254,7 +254,14 @@ def test_a_preset_sweeps_base_models_are_reused_only_if_trained_as_this_start_as
     preset_base("quick", 0, out, small)
     weights = [tmp_path / "sw" / "base" / s / "model.safetensors" for s in ("sft", "rm")]
     stamps = [w.stat().st_mtime_ns for w in weights]
-    cfg, stage, _, _ = preset_base("quick", 0, out, small + ["ppo.lr=1e-5"])
+    # settings their training never reads leave them valid too
+    unread = [
+        "ppo.lr=1e-5",
+        "reward.clip=5.0",
+        "monitor.opener_every=7",
+        "model.offload_frozen=true",
+    ]
+    cfg, stage, _, _ = preset_base("quick", 0, out, small + unread)
     assert stage == "ppo" and cfg.ppo.lr == 1e-5
     assert [w.stat().st_mtime_ns for w in weights] == stamps  # reused, not trained again
     with pytest.raises(ConfigError, match=r"base/sft was trained with other settings.*sft\.lr"):

@@ -21,11 +21,31 @@ def _complete(folder: Path) -> bool:
     return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
 
 
-# what each base stage reads: a change elsewhere (ppo.*, say) leaves its model valid
-STAGE_SECTIONS = {
-    "sft": ("seed", "model", "data", "sft"),
-    "rm": ("seed", "model", "data", "rm", "reward", "monitor"),
-}
+# what each base stage's training reads: section → its fields (None: all of them), less
+# the model fields only PPO reads; a change elsewhere (ppo.*, reward.clip) leaves it valid
+_PPO_ONLY_MODEL = {
+    "value_model", "critic", "vf_coef", "reference_precision", "reward_precision",
+    "offload_frozen", "lora_r", "lora_alpha", "lora_targets", "critic_lora_r",
+}  # fmt: skip
+STAGE_READS = {
+    "sft": {"seed": None, "data": None, "sft": None, "model": None},
+    "rm": {
+        "seed": None, "data": None, "rm": None, "model": None,
+        "reward": ("model", "heads"), "monitor": ("gold",),
+    },
+}  # fmt: skip
+
+
+def _read_by(stage: str, values: dict) -> dict:
+    """The part of a config tree (``to_dict``'s) that ``stage``'s training reads."""
+    out = {}
+    for section, fields in STAGE_READS[stage].items():
+        value = values.get(section)
+        if isinstance(value, dict):
+            keep = fields or [k for k in value if not (section == "model" and k in _PPO_ONLY_MODEL)]
+            value = {k: value.get(k) for k in keep}
+        out[section] = value
+    return out
 
 
 def reusable(folder: Path, stage: str, cfg: Config) -> bool:
@@ -42,13 +62,9 @@ def reusable(folder: Path, stage: str, cfg: Config) -> bool:
         recorded = yaml.safe_load(recorded_file.read_text()) or {}
     except (OSError, yaml.YAMLError) as e:
         raise ConfigError(f"sweep: cannot read {recorded_file}: {e}") from None
-    keep = STAGE_SECTIONS[stage]
     mine = absolute_paths(configbase.to_dict(cfg))
     recorded = absolute_paths(recorded) if isinstance(recorded, dict) else {}
-    changes = config_changes(
-        {k: v for k, v in recorded.items() if k in keep},
-        {k: v for k, v in mine.items() if k in keep},
-    )
+    changes = config_changes(_read_by(stage, recorded), _read_by(stage, mine))
     if changes:
         shown = "; ".join(changes[:4]) + (f" (and {len(changes) - 4} more)" if changes[4:] else "")
         raise ConfigError(
