@@ -127,7 +127,7 @@ def opener_logprobs(
     """
     sp = spellings(tokenizer, phrases, max_tokens).to(prompt_ids.device)
     same = distinct_rows(prompt_ids, prompt_mask)[1] if distinct else None
-    if sp.tokens.shape[0] and not takes_tree_mask(model, sp, prompt_ids, prompt_mask, temperature):
+    if sp.tokens.shape[0] and not takes_tree_mask(model, sp, temperature):
         if isinstance(prefixes, list):
             prefixes.clear()  # the kept caches serve nothing here: freed now
         rows = distinct_rows(prompt_ids, prompt_mask)[0] if distinct else None
@@ -232,32 +232,40 @@ _TREE_MASK: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _SAID: set[str] = set()
 
 
-def takes_tree_mask(model, sp: Spellings, prompt_ids, prompt_mask, temperature) -> bool:
+def takes_tree_mask(model, sp: Spellings, temperature: float) -> bool:
     """Whether ``model`` scores the spellings right with the tree-shaped 4-D mask, checked
-    once per model against one forward per spelling on the first prompt. Not every
-    attention takes a 4-D mask (Bloom's ALiBi wants a 2-D one and raises), and one that
-    took it but read it otherwise would give wrong numbers silently: either way the probe
-    then runs a forward per spelling (same numbers, more work), and says so once."""
+    once per model against one forward per spelling. Not every attention takes a 4-D mask
+    (Bloom's ALiBi wants a 2-D one and raises), and one that took it but read it otherwise
+    would give wrong numbers silently: either way the probe then runs a forward per
+    spelling (same numbers, more work), and says so once.
+
+    The check runs on two made-up rows of the spellings' own tokens, one of them
+    left-padded (a mask that mishandles padding shows there), without autocast: the same
+    inputs and arithmetic on every rank, so under FSDP every rank decides alike and runs
+    as many forwards as the others."""
     known = _TREE_MASK.get(model)
     if known is not None:
         return known
-    ids, mask = prompt_ids[:1], prompt_mask[:1]
-    want = _opener_by_forwards(model, sp, ids, mask, temperature)
-    # 16-bit arithmetic differs between a cached and a whole forward by far more than
-    # fp32's rounding; a misread mask differs by whole nats
+    pool = torch.cat([sp.first, sp.target, sp.tokens])
+    base = pool.repeat(-(-6 // pool.numel()))[:6]
+    ids = torch.stack([base, torch.cat([base[:3], base[:3]])])
+    mask = torch.tensor([[1] * 6, [0, 0, 0, 1, 1, 1]], device=ids.device)
     weights = getattr(model, "peft_model", model)  # a LoRA reference: the policy's base
-    low = torch.is_autocast_enabled(prompt_ids.device.type) or any(
-        p.dtype in (torch.bfloat16, torch.float16) for p in weights.parameters()
+    # 16-bit or int8 weights round a cached and a whole forward apart by more than fp32
+    low = any(p.dtype in (torch.bfloat16, torch.float16) for p in weights.parameters()) or any(
+        type(m).__module__.startswith("torch.ao.nn.quantized") for m in weights.modules()
     )
-    tol = (0.25 if low else 1e-3) * (1 + float(want.abs().max()))
-    try:  # the model's forward with the tree-shaped mask, and nothing else
-        prefix = next(iter(prompt_prefixes(model, ids, mask, 1, distinct=False)))
-        got = _opener_after(model, sp, prefix, mask, temperature)
-    except Exception as exc:  # any failure of the 4-D path means: do not use it
-        why = f"{type(exc).__name__}: {exc}"
-    else:
-        diff = float((got.float() - want.float()).abs().max())
-        why = None if diff <= tol else f"it differs by {diff:.3g} from a forward per spelling"
+    with torch.autocast(ids.device.type, enabled=False):
+        want = _opener_by_forwards(model, sp, ids, mask, temperature)
+        tol = (0.05 if low else 1e-3) * (1 + float(want.abs().max()))
+        try:  # the model's forward with the tree-shaped mask, and nothing else
+            prefix = next(iter(prompt_prefixes(model, ids, mask, 2, distinct=False)))
+            got = _opener_after(model, sp, prefix, mask, temperature)
+        except Exception as exc:  # any failure of the 4-D path means: do not use it
+            why = f"{type(exc).__name__}: {exc}"
+        else:
+            diff = float((got.float() - want.float()).abs().max())
+            why = None if diff <= tol else f"it differs by {diff:.3g} from a forward per spelling"
     if why is not None and type(model).__name__ not in _SAID:
         _SAID.add(type(model).__name__)  # once per kind of model (policy and reference alike)
         log.warning(
