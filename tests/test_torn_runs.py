@@ -167,10 +167,12 @@ def test_a_result_file_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
     assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl", "report.html"]
 
 
-def test_a_fresh_start_in_a_run_folder_replaces_the_earlier_run_whole(tmp_path, caplog):
+def test_a_fresh_start_in_a_run_folder_sets_the_earlier_run_aside_or_replaces_it(tmp_path, caplog):
     """Without --resume, the earlier run's logs were replaced but its checkpoints stayed: a
     shorter new run left the old run's later step-N as the newest, which --resume, export
-    and generate then picked. Now its checkpoints and report go too, with a warning."""
+    and generate then picked. Then they were deleted before the new run's first step, lost
+    if it failed there. Now the earlier run is moved into earlier-<time>/ (log.earlier_run
+    =keep, the default), or deleted whole with log.earlier_run=replace."""
     fast = ["ppo.epochs=1", "ppo.minibatches=1", "log.checkpoint_every=1"]
     PPOTrainer(make_cfg(tmp_path, "ppo.iterations=2", *fast)).fit()
     run = tmp_path / "run"
@@ -178,16 +180,27 @@ def test_a_fresh_start_in_a_run_folder_replaces_the_earlier_run_whole(tmp_path, 
     assert [p.name for p in C.list_checkpoints(run)] == ["step-1", "step-2"]
     with caplog.at_level(logging.WARNING):
         PPOTrainer(make_cfg(tmp_path, "ppo.iterations=1", *fast)).fit()
-    assert "holds an earlier run" in caplog.text
+    assert "holds an earlier run" in caplog.text and "kept in" in caplog.text
     assert [p.name for p in C.list_checkpoints(run)] == ["step-1"]
     assert not (run / "report.html").exists()
     assert len(read_jsonl(run / "metrics.jsonl")) == 1
+    (aside,) = run.glob("earlier-*")
+    assert [p.name for p in C.list_checkpoints(aside)] == ["step-1", "step-2"]
+    assert (aside / "report.html").read_text() == "the old run's"
+    assert len(read_jsonl(aside / "metrics.jsonl")) == 2
+    # replace: the earlier run goes whole
+    PPOTrainer(make_cfg(tmp_path, "ppo.iterations=2", *fast, "log.earlier_run=replace")).fit()
+    assert [p.name for p in C.list_checkpoints(run)] == ["step-1", "step-2"]
+    assert len(read_jsonl(run / "metrics.jsonl")) == 2
+    assert len(list(run.glob("earlier-*"))) == 1  # the one kept before, untouched
     # but never the checkpoint the new run itself starts from
     policy = run / "checkpoints" / "step-1" / "policy"
-    again = PPOTrainer(make_cfg(tmp_path, "ppo.iterations=1", *fast, f"model.policy={policy}"))
-    with pytest.raises(ConfigError, match="model.policy: .* is inside .* would delete"):
-        again.fit()
-    assert policy.is_dir()
+    for how, verb in (("keep", "move"), ("replace", "delete")):
+        over = (f"model.policy={policy}", f"log.earlier_run={how}")
+        again = PPOTrainer(make_cfg(tmp_path, "ppo.iterations=1", *fast, *over))
+        with pytest.raises(ConfigError, match=f"model.policy: .* is inside .* would {verb}"):
+            again.fit()
+        assert policy.is_dir()
 
 
 def test_resuming_with_other_models_names_the_setting(tmp_path, capsys):

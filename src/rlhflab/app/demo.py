@@ -34,7 +34,8 @@ _COMMON = {
     "model": {"policy": "preset:tiny"},
     "rollout": {"prompts_per_iteration": 64, "max_new_tokens": 24},
     "ppo": {"epochs": 4, "minibatches": 4, "lr": 5e-5, "critic_lr": 2e-4, "kl_coef": 0.1},
-    "log": {"sample_every": 5, "checkpoint_every": 1000},
+    # the demo's stages rerun into their own folders: each rerun replaces the last
+    "log": {"sample_every": 5, "checkpoint_every": 1000, "earlier_run": "replace"},
     # the built-in task has a gold reward: the monitors measure the proxy against it
     "monitor": {"gold": "rlhflab.builtin.tasks:gold_reward"},
 }

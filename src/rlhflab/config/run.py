@@ -62,6 +62,14 @@ class LogConfig:
         "error.",
     )
     progress: bool = setting(True, "Show a progress bar.")
+    earlier_run: str = setting(
+        "keep",
+        "What a fresh start (no --resume, or --resume with no step checkpoint) does with an "
+        "earlier run in its output folder (logs, checkpoints, report): 'keep' moves it into "
+        "OUTPUT/earlier-<time>/ (nothing is lost, however the new run ends); 'replace' "
+        "deletes it (the demo's own stages, rerun into their folders every time).",
+        choices=("keep", "replace"),
+    )
 
 
 @dataclass

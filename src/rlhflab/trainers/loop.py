@@ -242,8 +242,8 @@ class RunLoop:
                 log.warning(
                     "--resume: the settings of steps 1-%d are kept in %s", resume_step, kept
                 )
-        if resume_step is None and asked_resume:
-            self._set_earlier_run_aside()
+        if resume_step is None and (asked_resume or self.log.earlier_run == "keep"):
+            self._set_earlier_run_aside(asked_resume)
         elif resume_step is None:
             self._clear_earlier_run()
         # whole or not at all: a resume reads it back
@@ -251,9 +251,9 @@ class RunLoop:
         return RunLog(self.run_dir, self.log.tensorboard, self.log.wandb, self.config, resume_step)
 
     def _clear_earlier_run(self) -> None:
-        """A fresh start in a folder that holds a run replaces that run whole: its logs go
-        (RunLog), and so do its checkpoints and report — a newer step-N of the old run
-        would otherwise be what --resume, export or generate pick."""
+        """``log.earlier_run=replace``: a fresh start in a folder that holds a run replaces
+        that run whole: its logs go (RunLog), and so do its checkpoints and report — a newer
+        step-N of the old run would otherwise be what --resume, export or generate pick."""
         # the logs go with RunLog, run.json is written afresh
         stale = _earlier_run(self.run_dir, ("checkpoints", "report.html", "tensorboard"))
         if not stale:
@@ -267,13 +267,15 @@ class RunLoop:
         for p in stale:
             shutil.rmtree(p) if p.is_dir() else p.unlink()
 
-    def _set_earlier_run_aside(self) -> None:
-        """--resume where the run ended before its first step-N checkpoint (killed, or
-        ``log.checkpoint_every`` not reached): there is nothing to continue, so the run
-        starts afresh, as a job script that always passes --resume expects; but what the
-        earlier run left (its logs, ``checkpoints/best``, its report) is moved into
-        ``earlier-<time>/`` beside them (with a copy of its config.yaml) rather than
-        deleted: --resume never loses data."""
+    def _set_earlier_run_aside(self, asked_resume: bool) -> None:
+        """A fresh start in a folder that holds a run (``log.earlier_run=keep``), or
+        --resume where the run ended before its first step-N checkpoint (killed, or
+        ``log.checkpoint_every`` not reached: nothing to continue, so it starts afresh, as a
+        job script that always passes --resume expects): what the earlier run left (its
+        logs, checkpoints, report) is moved into ``earlier-<time>/`` beside them (with a
+        copy of its config.yaml) rather than deleted — a new run that then fails at its
+        first step has lost nothing, and a newer step-N of the old run is not what
+        --resume, export or generate pick."""
         found = _earlier_run(self.run_dir, EARLIER_RUN_FILES)
         if not any(_holds_something(p) for p in found):
             return
@@ -288,9 +290,13 @@ class RunLoop:
             p.rename(aside / p.name)
         if (self.run_dir / "config.yaml").is_file():  # this run's replaces it next
             shutil.copy2(self.run_dir / "config.yaml", aside / "config.yaml")
+        why = (
+            "--resume: %s holds no checkpoint to continue from; starting afresh"
+            if (asked_resume)
+            else "%s holds an earlier run; starting afresh (--resume would continue it)"
+        )
         log.warning(
-            "--resume: %s holds no checkpoint to continue from; starting afresh — the "
-            "earlier run's logs and checkpoints are kept in %s",
+            why + " — the earlier run's logs and checkpoints are kept in %s (log.earlier_run)",
             self.run_dir,
             aside,
         )
