@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from rlhflab.app.cli import main
-from rlhflab.config import ConfigError
+from rlhflab.config import ConfigError, load_config
+from rlhflab.config.base import to_dict
 from rlhflab.infra import checkpoint as C
 from rlhflab.infra.runlog import read_jsonl
 from rlhflab.trainers.ppo import PPOTrainer
@@ -330,3 +331,18 @@ def test_resume_with_nothing_to_continue_sets_the_earlier_run_aside(tmp_path, ca
     reads = PPOTrainer(make_cfg(tmp_path, *fast, f"data.prompts={best / 'p.jsonl'}"))
     with pytest.raises(ConfigError, match=r"data.prompts: .* would move"):
         reads.fit(resume=True)
+
+
+def test_resume_refuses_a_run_another_command_wrote(tmp_path):
+    """--resume read any checkpoint in the folder: grpo --resume on a PPO run continued it
+    with PPO's steps counted as its own (and PPO's β); now refused, naming both."""
+    fast = ["ppo.iterations=1", "ppo.epochs=1", "ppo.minibatches=1", "log.checkpoint_every=1"]
+    PPOTrainer(make_cfg(tmp_path, *fast)).fit()
+    cfg = load_config(
+        base=to_dict(make_cfg(tmp_path, *fast, "ppo.iterations=2")),
+        overrides=["model.value_model=none", "ppo.advantage_estimator=grpo"],
+        stage="grpo",
+    )
+    with pytest.raises(ConfigError, match=r"holds a PPO run, not a GRPO run.*rlhflab ppo --resume"):
+        PPOTrainer(cfg).fit(resume=True)
+    assert [p.name for p in C.list_checkpoints(tmp_path / "run")] == ["step-1"]

@@ -195,7 +195,14 @@ class RunLoop:
         """Load the newest whole checkpoint, if any; the step it was written at, or None.
         Every rank picks the same one (``latest``, by default
         :func:`rlhflab.infra.checkpoint.latest_checkpoint`, skips damaged ones); rank 0 alone
-        sets a damaged one aside."""
+        sets a damaged one aside. A run another command wrote is refused: its steps would
+        count as this one's (an SFT run's steps as DPO steps, a PPO run's β in GRPO)."""
+        other = (runinfo.read_run_info(self.run_dir) or {}).get("trainer")
+        if isinstance(other, str) and other != self.name:
+            raise ConfigError(
+                f"--resume: {self.run_dir} holds a {other} run, not a {self.name} run; resume "
+                f"it with `rlhflab {other.lower()} --resume`, or give this run another folder"
+            )
         last = self.latest(self.run_dir, self.is_main)
         if last is None:
             log.info("--resume: no checkpoint in %s; starting fresh", self.run_dir)
@@ -268,14 +275,10 @@ class RunLoop:
             shutil.rmtree(p) if p.is_dir() else p.unlink()
 
     def _set_earlier_run_aside(self, asked_resume: bool) -> None:
-        """A fresh start in a folder that holds a run (``log.earlier_run=keep``), or
-        --resume where the run ended before its first step-N checkpoint (killed, or
-        ``log.checkpoint_every`` not reached: nothing to continue, so it starts afresh, as a
-        job script that always passes --resume expects): what the earlier run left (its
-        logs, checkpoints, report) is moved into ``earlier-<time>/`` beside them (with a
-        copy of its config.yaml) rather than deleted — a new run that then fails at its
-        first step has lost nothing, and a newer step-N of the old run is not what
-        --resume, export or generate pick."""
+        """A fresh start in a folder that holds a run (``log.earlier_run=keep``), or a
+        --resume with no step-N checkpoint to continue (it starts afresh, as a job script
+        that always passes --resume expects): the earlier run's logs, checkpoints and
+        report move into ``earlier-<time>/`` (with a copy of its config.yaml), not deleted."""
         found = _earlier_run(self.run_dir, EARLIER_RUN_FILES)
         if not any(_holds_something(p) for p in found):
             return
@@ -357,8 +360,7 @@ EARLIER_RUN_FILES = (
 
 
 def _earlier_run(run_dir: Path, names) -> list[Path]:
-    """Those of ``names`` in ``run_dir`` that exist, and the settings history of its
-    resumes (config.until-step-N.yaml): what an earlier run left there."""
+    """Those of ``names`` in ``run_dir`` that exist, and its config.until-step-N.yaml."""
     found = [run_dir / n for n in names if (run_dir / n).exists()]
     return found + sorted(run_dir.glob("config.until-step-*.yaml"))
 
