@@ -48,3 +48,31 @@ def test_a_resumed_supervised_run_ends_where_the_uninterrupted_one_did(tmp_path,
     resumed = read_jsonl(cut / "run" / "metrics.jsonl")
     assert [r["iteration"] for r in resumed] == [1, 2, 3, 4, 5, 6]
     assert [r["loss"] for r in resumed] == [r["loss"] for r in rows]
+
+
+def test_an_output_folder_that_holds_another_model_is_refused(tmp_path, capsys):
+    """rm.output_dir = the SFT model's folder replaced the SFT policy with a reward model;
+    a folder of the user's own files lost its config.json without a word; an empty
+    sft.output_dir wrote into the current folder. Each is one line now; a rerun into the
+    stage's own earlier output is still taken."""
+    sft = tmp_path / "sft"
+    args = ["sft", "model.policy=preset:nano", "sft.steps=1", "sft.examples=20", "device=cpu"]
+    args += ["log.progress=false"]
+    assert main([*args, f"sft.output_dir={sft}"]) == 0
+    assert main([*args, f"sft.output_dir={sft}"]) == 0  # its own earlier output: taken
+    before = (sft / "model.safetensors").read_bytes()
+    rm = ["rm", f"model.policy={sft}", "rm.steps=1", "rm.pairs=16", "device=cpu"]
+    assert main([*rm, f"rm.output_dir={sft}", "log.progress=false"]) == 2
+    assert "is the folder of model.policy" in capsys.readouterr().err
+    theirs = tmp_path / "mine"
+    theirs.mkdir()
+    (theirs / "config.json").write_text('{"my": "project config"}')
+    assert main([*args, f"sft.output_dir={theirs}"]) == 2
+    assert "holds files rlhflab did not write" in capsys.readouterr().err
+    assert main([*rm, f"rm.output_dir={tmp_path / 'rm'}", f"rm.init={sft}"]) == 0
+    assert main([*args, f"sft.output_dir={tmp_path / 'rm'}"]) == 2  # an RM's folder
+    assert "holds the model `rlhflab rm` wrote" in capsys.readouterr().err
+    assert main([*args, "sft.output_dir="]) == 2
+    assert "sft.output_dir: empty" in capsys.readouterr().err
+    assert (sft / "model.safetensors").read_bytes() == before
+    assert (theirs / "config.json").read_text() == '{"my": "project config"}'

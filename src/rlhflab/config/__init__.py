@@ -128,6 +128,8 @@ def validate(cfg: Config, stage: str = "ppo", reward_given: bool = False) -> Con
         )
     for sec, name in (("log", "output_dir"), (stage, "output_dir")):
         folder = getattr(getattr(cfg, sec, None), name, None)
+        if isinstance(folder, str) and not folder.strip():  # "" would be the current folder
+            raise ConfigError(f"{sec}.{name}: empty; give a folder")
         if isinstance(folder, str) and os.path.exists(folder) and not os.path.isdir(folder):
             raise ConfigError(f"{sec}.{name}: {folder} exists and is not a folder")
     if stage in ("sft", "rm", "dpo"):

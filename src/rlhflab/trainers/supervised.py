@@ -21,7 +21,7 @@ import torch
 
 from rlhflab import models as M
 from rlhflab.backends.loss_scale import LossScaler
-from rlhflab.config import Config
+from rlhflab.config import Config, ConfigError
 from rlhflab.config.base import to_dict
 from rlhflab.infra import checkpoint as C
 from rlhflab.infra.files import share_like_umask
@@ -38,6 +38,41 @@ from rlhflab.trainers.common import (
 from rlhflab.trainers.loop import RunLoop, RunResult
 
 RUN = "run"  # OUTPUT_DIR/run: metrics.jsonl, config.yaml, checkpoints/
+
+
+def check_output_folder(cfg: Config, stage: str, out: Path) -> None:
+    """``OUTPUT_DIR`` gets the trained model's files: refused when it is the folder the
+    model starts from (``rm.output_dir`` = the SFT model's folder replaced the SFT policy
+    with a reward model), or when it holds files this stage did not write (a project's
+    own config.json was replaced without a word). An empty folder (but for rlhflab's own
+    run/ and inputs/), or one an earlier run of the same stage wrote (``run/run.json``),
+    is taken."""
+    from rlhflab.infra.runinfo import read_run_info
+
+    field = f"{stage}.output_dir"
+    starts = [("model.policy", cfg.model.policy)]
+    if stage == "rm" and cfg.rm.init:
+        starts = [("rm.init", cfg.rm.init)]
+    for name, source in starts:
+        if isinstance(source, str) and Path(source).expanduser().resolve() == out.resolve():
+            raise ConfigError(
+                f"{field}: {out} is the folder of {name}, the model this stage starts from; "
+                "the trained model would replace it — give another folder"
+            )
+    # rlhflab's own: the run's logs and checkpoints, the Python API's inputs
+    if not out.is_dir() or all(p.name in (RUN, "inputs") for p in out.iterdir()):
+        return
+    wrote = (read_run_info(out / RUN) or {}).get("trainer")
+    if wrote != stage.upper():
+        held = (
+            f"the model `rlhflab {wrote.lower()}` wrote"
+            if isinstance(wrote, str)
+            else "files rlhflab did not write"
+        )
+        raise ConfigError(
+            f"{field}: {out} holds {held}; the {stage} model's files would replace them — "
+            "give another (or an empty) folder"
+        )
 
 
 class SupervisedTrainer:
@@ -67,6 +102,7 @@ class SupervisedTrainer:
         self.scaler = LossScaler.for_model(cfg.model)  # model.compute_dtype=fp16's loss scale
         self.gens = {"batch": torch.Generator().manual_seed(cfg.seed)}
         self.out = Path(s.output_dir)
+        check_output_folder(cfg, stage, self.out)
         self.run_dir = self.out / RUN
         self.iteration = 0
         self.stop_reason: str | None = None  # a supervised stage runs its steps to the end
