@@ -323,3 +323,22 @@ def test_sft_and_dpo_commands_train_on_save_to_disk_folders_of_chat_rows(
     assert main([*args, "log.progress=false"]) == 0, capsys.readouterr().err
     assert len(read_jsonl(tmp_path / "dpo" / "metrics.jsonl")) == 2
     assert set(seen) == {(head, " cat\n"), (head, " dog\n")}
+
+
+def test_a_lone_surrogate_or_a_row_nested_too_deeply_is_a_bad_row(tmp_path):
+    """JSON can escape half of a surrogate pair ("\\ud800"), which no encoding writes: the
+    tokenizer raised a TypeError traceback from inside every command; a row nested 100,000
+    deep raised RecursionError. Both are bad rows naming the line (and the field)."""
+    from rlhflab.experience.data import DataError, load_prompts
+    from rlhflab.models import load_tokenizer
+    from rlhflab.models.presets import preset_path
+
+    tok = load_tokenizer(preset_path("nano"))
+    f = tmp_path / "p.jsonl"
+    rows = ['{"prompt": "a \\ud83d\\ude00"}', '{"prompt": "copy: \\ud800 cat"}']
+    rows += ['{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}", '{"prompt": "c"}']
+    f.write_text("\n".join(rows) + "\n")
+    with pytest.raises(DataError, match=r"p\.jsonl:2: field 'prompt' is not valid Unicode"):
+        load_prompts(f, tok, 64)
+    prompts, report = load_prompts(f, tok, 64, on_bad_row="skip")
+    assert prompts == ["a \U0001f600", "c"] and report.skipped == 2  # a paired one is fine

@@ -173,9 +173,39 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict | DataError]]:
             except _RepeatedKey as exc:
                 yield n, DataError(f"{path}:{n}: field '{exc}' appears twice; keep one")
                 continue
+            except RecursionError:
+                yield n, DataError(f"{path}:{n}: not valid JSON here (nested too deeply)")
+                continue
             if not isinstance(row, dict):
                 row = DataError(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
+            elif "\\ud" in line.lower():  # an escaped surrogate: paired, or a lone one?
+                bad = _lone_surrogate_field(row)
+                if bad is not None:
+                    row = DataError(
+                        f"{path}:{n}: field '{bad}' is not valid Unicode (a lone surrogate "
+                        "escape such as \\ud800, which no text encoding can write)"
+                    )
             yield n, row
+
+
+def _lone_surrogate_field(row: dict) -> str | None:
+    """The first top-level field of ``row`` holding a string with a lone surrogate."""
+
+    def bad(value) -> bool:
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+            return False
+        if isinstance(value, dict):
+            return any(bad(k) or bad(v) for k, v in value.items())
+        return isinstance(value, list) and any(bad(v) for v in value)
+
+    return next(
+        (str(k.encode("utf-8", "replace"), "utf-8") for k, v in row.items() if bad(k) or bad(v)),
+        None,
+    )
 
 
 class _RepeatedKey(Exception):
