@@ -380,3 +380,13 @@ def test_a_reward_module_in_the_working_directory_imports_however_the_command_st
     monkeypatch.delitem(sys.modules, "my_local_reward", raising=False)
     reward = FunctionReward("my_local_reward:score")
     assert reward.fn(["a", "b"], ["x", "y"]) == [1.0, 1.0]
+    # a module whose own code fails (a syntax error, a raise at import) is one RewardError
+    # naming it, not the import's traceback
+    from rlhflab.experience.rewards import RewardError
+
+    (tmp_path / "broken_reward.py").write_text("def score(prompts, answers)\n")
+    (tmp_path / "raising_reward.py").write_text("raise RuntimeError('no API key')\n")
+    with pytest.raises(RewardError, match=r"'broken_reward:score': importing .* SyntaxError"):
+        FunctionReward("broken_reward:score")
+    with pytest.raises(RewardError, match=r"raising_reward failed: RuntimeError: no API key"):
+        FunctionReward("raising_reward:score")

@@ -264,6 +264,11 @@ class FunctionReward(CallableReward):
             raise RewardError(
                 f"reward function {spec!r}: cannot import {module_name}: {exc}"
             ) from None
+        except Exception as exc:  # the module's own code failed: a syntax error, a raise
+            raise RewardError(
+                f"reward function {spec!r}: importing {module_name} failed: "
+                f"{type(exc).__name__}: {exc}"
+            ) from None
         fn = getattr(module, func_name, None)
         if not callable(fn):
             raise RewardError(
