@@ -111,6 +111,17 @@ def test_labels_that_are_not_json_name_the_row(tmp_path):
         load_preferences(f)
 
 
+def test_a_seed_beyond_what_torch_takes_is_refused_naming_it():
+    for seed, said in (("99999999999999999999", "<= 9223372036854775807"), ("-1", ">= 0")):
+        with pytest.raises(ConfigError, match=f"^seed: must be {said}"):  # torch overflowed
+            load_config(
+                overrides=[
+                    "reward.functions={'rlhflab.builtin.toy_rewards:cat_reward': 1}",
+                    f"seed={seed}",
+                ]
+            )
+
+
 @pytest.mark.parametrize(
     "override,field",
     [

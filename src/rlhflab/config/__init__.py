@@ -33,7 +33,7 @@ from rlhflab.config.training import (
 
 @dataclass
 class Config:
-    seed: int = setting(0, "Seed for sampling, shuffling and initialisation.")
+    seed: int = setting(0, "Seed for sampling, shuffling and initialising.", low=0, high=2**63 - 1)
     device: str = setting(
         "auto",
         "'auto' (cuda when available, else cpu), 'cpu' or 'cuda'; 'cuda' on a machine "
