@@ -342,3 +342,16 @@ def test_a_lone_surrogate_or_a_row_nested_too_deeply_is_a_bad_row(tmp_path):
         load_prompts(f, tok, 64)
     prompts, report = load_prompts(f, tok, 64, on_bad_row="skip")
     assert prompts == ["a \U0001f600", "c"] and report.skipped == 2  # a paired one is fine
+
+
+def test_a_prompt_row_with_both_prompt_and_messages_is_a_bad_row(tmp_path):
+    # the messages were ignored without a word (SFT refuses its like: completion + response)
+    from rlhflab.experience.data import DataError, load_prompts
+    from rlhflab.models import load_tokenizer
+    from rlhflab.models.presets import preset_path
+
+    f = tmp_path / "p.jsonl"
+    both = {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}
+    f.write_text(json.dumps({"prompt": "c"}) + "\n" + json.dumps(both) + "\n")
+    with pytest.raises(DataError, match=r"p\.jsonl:2: fields 'prompt' and 'messages' are both set"):
+        load_prompts(f, load_tokenizer(preset_path("nano")), 64)

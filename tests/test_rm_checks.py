@@ -131,6 +131,20 @@ def test_a_model_made_elsewhere_gets_the_labels_it_can_have():
         head_targets(pairs, ["brevity", "helpful"], "x")  # training needs every head's labels
 
 
+def test_labels_that_match_no_head_are_said(caplog):
+    # a misspelled label ('brevty') trained nothing, without a word
+    from rlhflab.experience.data import PreferencePair
+    from rlhflab.trainers.rm import head_targets
+
+    pairs = [
+        PreferencePair("p", "a", "b", {"brevity": 1.0}),
+        PreferencePair("p", "c", "d", {"brevty": 1}),
+    ]
+    with caplog.at_level("WARNING", logger="rlhflab.trainers.rm"):
+        head_targets(pairs, ["preference", "brevity"], "x.jsonl")
+    assert "x.jsonl: labels ['brevty'] match no rm.heads entry" in caplog.text
+
+
 def test_a_sparsely_labelled_head_trains_whatever_the_held_out_pairs_hold(tmp_path):
     """Half the pairs carry a 'brevity' label: the held-out split may hold none of them;
     training needs labels among its own pairs, the held-out checks do not."""

@@ -82,6 +82,10 @@ def load_prompts(
 
 
 def _prompt_from_row(row: dict, tokenizer, max_tokens, where, prompt_field, messages_field) -> str:
+    if row.get(prompt_field) not in (None, "") and row.get(messages_field) not in (None, ""):
+        raise DataError(  # one would be dropped silently
+            f"{where}: fields '{prompt_field}' and '{messages_field}' are both set; keep one"
+        )
     if row.get(prompt_field) not in (None, ""):
         name, text = prompt_field, row[prompt_field]
         if isinstance(text, list):

@@ -90,6 +90,9 @@ def head_targets(
                 out[i, k] = 1.0
             elif h in p.labels:
                 out[i, k] = float(p.labels[h])
+    unused = sorted({name for p in pairs for name in p.labels} - set(heads))
+    if strict and unused:  # a misspelled head's labels would train nothing, unsaid
+        log.warning("%s: labels %s match no rm.heads entry; not trained", where, unused)
     for k, h in enumerate(heads):
         if strict and torch.isnan(out[:, k]).all():
             raise ConfigError(
