@@ -145,3 +145,24 @@ def test_a_native_model_saves_the_generation_config_it_was_read_with(tmp_path):
     assert M.stop_ids(M.load_tokenizer(tmp_path / "out")) == (tok.eos_token_id, 5)
     again = M.load_causal_lm(tmp_path / "out", tok, runtime="native")
     assert again.generation_fields == fields
+
+
+def test_a_lora_folder_ends_answers_where_its_base_model_does(tmp_path):
+    # a PEFT folder holds no generation_config.json: its base's stop ids were lost, so
+    # generate/eval on a LoRA run's checkpoint ran on past the turn's end
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tok = build_tokenizer(default_corpus())
+    tok.add_special_tokens({"additional_special_tokens": ["<end_of_turn>"]})
+    eot = tok.convert_tokens_to_ids("<end_of_turn>")
+    model = GPT2LMHeadModel(
+        GPT2Config(vocab_size=len(tok), n_positions=64, n_embd=32, n_layer=1, n_head=2)
+    )
+    model.generation_config.eos_token_id = [tok.eos_token_id, eot]
+    model.save_pretrained(tmp_path / "base")
+    tok.save_pretrained(tmp_path / "base")
+    lora = M.apply_lora(M.load_causal_lm(tmp_path / "base", tok), 4, 8, "all-linear")
+    lora.save_pretrained(tmp_path / "adapter")
+    tok.save_pretrained(tmp_path / "adapter")
+    assert not (tmp_path / "adapter" / "generation_config.json").exists()
+    assert M.stop_ids(M.load_tokenizer(tmp_path / "adapter")) == (tok.eos_token_id, eot)

@@ -82,3 +82,34 @@ def test_scoring_text_without_knowing_which_answers_ended_is_refused(foreign_rm)
     rm = M.freeze(M.load_sequence_classifier(foreign_rm, rm_tok))
     with pytest.raises(R.RewardError, match="ended"):
         R.ModelReward(rm, rm_tok, policy_tok)(R.RewardBatch(["p"], [" a"]))
+
+
+def test_an_answer_that_ended_at_another_stop_id_is_read_at_eos(nano_rm, tmp_path):
+    """A chat model's turn ends at a stop id of its own (generation_config.json's list):
+    the same-tokenizer path read the reward there, where training and the re-encoding
+    path (encode_for_reward) put EOS; now both read at EOS."""
+    import json
+    import shutil
+
+    from rlhflab.models.text import record_stop_ids
+
+    policy_tok = M.load_tokenizer(preset_path("nano"))
+    folder = tmp_path / "policy"
+    shutil.copytree(preset_path("nano"), folder)
+    other = 7  # some token id the policy ends its turn with
+    (folder / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [policy_tok.eos_token_id, other]})
+    )
+    record_stop_ids(policy_tok, folder)
+    rm_tok = M.load_tokenizer(nano_rm)
+    rm = M.freeze(M.load_sequence_classifier(nano_rm, rm_tok))
+    source = R.ModelReward(rm, rm_tok, policy_tok)
+    assert not source.reencode
+    prompts, answers = ["sort: dog cat\nanswer:"] * 2, [" cat dog", " cat dog"]
+    ro = as_rollout(policy_tok, prompts, answers, [True, True])
+    seqs = ro.sequences.clone()
+    last = M.last_real_index(ro.attention_mask)
+    seqs[1, last[1]] = other  # the second answer ended at the other stop id
+    got = source(R.RewardBatch(prompts, answers, seqs, ro.attention_mask, ro.ended))
+    assert torch.equal(got["rm/correctness"][0], got["rm/correctness"][1])
+    assert seqs[1, last[1]] == other  # the rollout's own ids are left as they were

@@ -17,7 +17,15 @@ from typing import Protocol
 
 import torch
 
-from rlhflab.models import Offloaded, encode_prompt, fp32_head, last_token_hidden, same_tokenizer
+from rlhflab.models import (
+    Offloaded,
+    encode_prompt,
+    fp32_head,
+    last_real_index,
+    last_token_hidden,
+    same_tokenizer,
+    stop_ids,
+)
 
 
 class RewardError(RuntimeError):
@@ -114,12 +122,24 @@ class ModelReward:
         self.model, self.tokenizer, self.name = model, tokenizer, name
         self.device, self.micro_batch = torch.device(device), micro_batch
         self.reencode = not same_tokenizer(tokenizer, policy_tokenizer)
+        # answers that ended at a stop id other than EOS (a chat turn's end) are read at
+        # EOS in its place, as encode_for_reward (training, refresh) builds every input
+        eos = tokenizer.eos_token_id
+        self.other_stops = [t for t in stop_ids(policy_tokenizer) if t != eos]
         cfg = model.config
         self.head_names = [cfg.id2label[i] for i in range(cfg.num_labels)]
 
     def _encode(self, batch: RewardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.reencode and batch.sequences is not None:
-            return batch.sequences, batch.attention_mask
+            ids, mask = batch.sequences, batch.attention_mask
+            if self.other_stops:
+                last = last_real_index(mask)[:, None]
+                ended = torch.isin(
+                    ids.gather(1, last), torch.tensor(self.other_stops, device=ids.device)
+                )
+                eos = torch.full_like(last, self.tokenizer.eos_token_id)
+                ids = ids.scatter(1, last, torch.where(ended, eos, ids.gather(1, last)))
+            return ids, mask
         if batch.ended is None:
             raise RewardError(
                 f"reward model {self.name}: re-encoding answers needs to know which ended "

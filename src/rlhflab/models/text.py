@@ -58,6 +58,14 @@ def record_stop_ids(tokenizer, folder: Path) -> None:
     next turn, each one penalised as unfinished."""
     ids = [tokenizer.eos_token_id]
     path = folder / "generation_config.json"
+    adapter = folder / "adapter_config.json"
+    if not path.is_file() and adapter.is_file():  # a LoRA folder: its base model's file
+        try:
+            base = json.loads(adapter.read_text()).get("base_model_name_or_path")
+        except (OSError, ValueError, AttributeError):
+            base = None
+        if isinstance(base, str) and base:
+            path = Path(base).expanduser() / "generation_config.json"
     if path.is_file():
         try:
             listed = json.loads(path.read_text()).get("eos_token_id")
