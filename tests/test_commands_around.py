@@ -350,3 +350,37 @@ def test_export_of_a_native_run_names_the_class_its_config_json_names(tmp_path, 
     assert ": LlamaForCausalLM," in said and "Native" not in said, said
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_a_file_the_command_cannot_write_is_one_line(monkeypatch, capsys):
+    """A read-only or full disk was an OSError traceback (torch's checkpoint writer: a
+    RuntimeError); now one line naming the file, status 2. Any other error still raises."""
+    import errno
+
+    from rlhflab.app import cli
+
+    def fails_with(exc):
+        def command(args):
+            raise exc
+
+        return command
+
+    cases = [
+        (
+            OSError(errno.EROFS, "Read-only file system", "/ro/run/config.yaml"),
+            "/ro/run/config.yaml: Read-only",
+        ),
+        (OSError(errno.ENOSPC, "No space left on device", "/full/x"), "then --resume"),
+        (
+            RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64"),
+            "is the disk full?",
+        ),
+    ]
+    for exc, said in cases:
+        monkeypatch.setitem(cli.COMMANDS, "report", fails_with(exc))
+        assert main(["report", "somewhere"]) == 2
+        err = capsys.readouterr().err
+        assert said in err and "Traceback" not in err, err
+    monkeypatch.setitem(cli.COMMANDS, "report", fails_with(RuntimeError("a bug")))
+    with pytest.raises(RuntimeError, match="a bug"):
+        main(["report", "somewhere"])

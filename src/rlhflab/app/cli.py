@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from rlhflab.app.around import add_parsers, cmd_eval, cmd_export, cmd_generate
-from rlhflab.app.user_errors import every_rank_errors, user_errors
+from rlhflab.app.user_errors import every_rank_errors, storage_error, user_errors
 from rlhflab.backends.allocator import CHOICES, ENV_CHOICE, AllocatorError, in_use, restart_under
 
 
@@ -367,6 +367,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
         elif not isinstance(exc, every_rank_errors()):
             print(f"error (rank {rank}): {exc}", file=sys.stderr)
+        code = 2
+    except (OSError, RuntimeError) as exc:
+        said = storage_error(exc)
+        if said is None:
+            raise
+        print(f"error: {said}", file=sys.stderr)
         code = 2
     except KeyboardInterrupt:
         # Ctrl-C: checkpoints and result files are written whole or not at all, so what is

@@ -34,3 +34,22 @@ def every_rank_errors() -> tuple[type[BaseException], ...]:
     from rlhflab.trainers.common import TrainingHalted
 
     return (ConfigError, TrainingHalted)
+
+
+def storage_error(exc: BaseException) -> str | None:
+    """The one line for a file the command could not write (a read-only or full disk, no
+    permission), or None for any other error: the OS's own words name the file."""
+    import errno
+
+    if isinstance(exc, OSError) and exc.errno in (
+        errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM,
+    ):  # fmt: skip
+        where = exc.filename or "a file"
+        hint = "; free some space, then --resume" if exc.errno == errno.ENOSPC else ""
+        return f"{where}: {exc.strerror}{hint}"
+    # torch's checkpoint writer says a full disk its own way
+    if isinstance(exc, RuntimeError) and any(
+        w in str(exc) for w in ("PytorchStreamWriter", "inline_container")
+    ):
+        return f"writing a checkpoint failed (is the disk full?): {str(exc).splitlines()[0]}"
+    return None

@@ -10,6 +10,7 @@ either the old file or the new one. Checkpoints have their own manifest-based sc
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -35,7 +36,8 @@ def write_lines_atomic(path: str | Path, lines: Iterable[str]) -> Path:
                 f.write(line)
         os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # a read-only folder: keep the first error
+            tmp.unlink(missing_ok=True)
         raise
     return path
 
