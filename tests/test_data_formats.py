@@ -355,3 +355,14 @@ def test_a_prompt_row_with_both_prompt_and_messages_is_a_bad_row(tmp_path):
     f.write_text(json.dumps({"prompt": "c"}) + "\n" + json.dumps(both) + "\n")
     with pytest.raises(DataError, match=r"p\.jsonl:2: fields 'prompt' and 'messages' are both set"):
         load_prompts(f, load_tokenizer(preset_path("nano")), 64)
+
+
+def test_a_csv_cell_longer_than_the_csv_modules_default_limit_is_read(tmp_path):
+    # a 200,000-character prompt is valid CSV; it was refused as "not valid CSV" (csv's
+    # 131,072-character field limit), with the line before it named
+    from rlhflab.trainers.sft import load_sft_pairs
+
+    f = tmp_path / "s.csv"
+    f.write_text("prompt,response\nshort,a\n" + "x" * 200_000 + ",b\n")
+    pairs = load_sft_pairs(f)
+    assert [len(p) for p, _ in pairs] == [5, 200_000]

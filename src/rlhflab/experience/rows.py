@@ -241,6 +241,9 @@ def _csv_rows(path: Path) -> Iterator[tuple[int, dict | DataError]]:
             f"{path}:{opened}: a quote opened here is never closed (the rest of the file "
             "would be read as one field)"
         )
+    # csv's default field limit is 128 KiB: a long document in one cell is valid CSV (the
+    # unclosed-quote check above already guards against a field eating the file)
+    csv.field_size_limit(max(csv.field_size_limit(), len(text) + 1))
     reader = csv.DictReader(io.StringIO(text, newline=""))
     try:
         header = reader.fieldnames or []
