@@ -376,3 +376,21 @@ def test_under_par_the_verdict_names_the_score_before_shaping_and_the_shaped_one
     verdict = verdict.split("</section>")[0]
     assert "<b>Proxy reward</b> (the reward's score before PAR shaping" in verdict
     assert "<b>Shaped reward</b> (PAR's σ(score − reference score), what PPO optimises" in verdict
+
+
+def test_a_missing_or_broken_config_is_said_not_shown_as_all_defaults(tmp_path, caplog):
+    # "Every setting is at its default ... {}" for a run whose config.yaml was torn
+    run = _write_run(tmp_path)
+    for text, said in (("ppo: [", "is unreadable"), (None, "is missing")):
+        path = run / "config.yaml"
+        if text is None:
+            path.unlink()
+        else:
+            path.write_text(text)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="rlhflab.app.report"):
+            page = build_report(run).read_text(encoding="utf-8")
+        config = page.split("<h2 id='config'>")[1]
+        assert said in config and "settings are unknown" in config
+        assert "Every setting is at its default" not in page
+        assert said in caplog.text

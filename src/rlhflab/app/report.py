@@ -14,6 +14,7 @@ mailed or archived as it is, and reads on a phone.
 from __future__ import annotations
 
 import html
+import logging
 import math
 from pathlib import Path
 
@@ -26,6 +27,8 @@ from rlhflab.diagnostics.gold_curve import story_from_rows
 from rlhflab.infra.files import write_text_atomic
 from rlhflab.infra.runinfo import read_run_info
 from rlhflab.infra.runlog import RunLogError, read_json, read_jsonl
+
+log = logging.getLogger(__name__)
 
 # alerts fire above these thresholds, except where named here
 _BELOW = {"entropy_ratio"}
@@ -292,7 +295,13 @@ def build_report(run_dir: str | Path) -> Path:
         body.append(checks)
     sections.append(("config", "Config"))
     started_in = (info or {}).get("started_in")
-    body.append(S.config_section(config, S.flat_defaults(_STAGES.get(trainer, "ppo")), started_in))
+    if "__unread__" in config:
+        unread = html.escape(config["__unread__"])
+        body.append(f"<h2 id='config'>Config</h2><p>{unread}: the run's settings are unknown.</p>")
+    else:
+        body.append(
+            S.config_section(config, S.flat_defaults(_STAGES.get(trainer, "ppo")), started_in)
+        )
     toc = "".join(f"<li><a href='#{a}'>{html.escape(t)}</a></li>" for a, t in sections)
     when = (info or {}).get("started", "")[:16].replace("T", " ")
     head = (
@@ -310,14 +319,22 @@ def build_report(run_dir: str | Path) -> Path:
 
 
 def _config(run: Path) -> dict:
+    """The run's config.yaml; one that is missing or unreadable is said in the log and on
+    the page ({"__unread__": why}), not shown as a run at every default."""
     path = run / "config.yaml"
     if not path.is_file():
-        return {}
-    try:
-        loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
-        return {}
-    return loaded if isinstance(loaded, dict) else {}
+        why = "missing"
+    else:
+        try:
+            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+            loaded, why = None, f"unreadable ({type(exc).__name__})"
+        else:
+            if isinstance(loaded, dict):
+                return loaded
+            why = "not a mapping of settings"
+    log.warning("%s is %s; the report's Config section says so", path, why)
+    return {"__unread__": f"{path} is {why}"}
 
 
 _PAGE = """<!doctype html><html lang="en"><head><meta charset="utf-8">
