@@ -157,6 +157,14 @@ def test_a_config_file_that_is_not_utf8_names_the_line(tmp_path):
     cfg.write_bytes(b"seed: 1\nppo:\n  lr: 1.0e-4  # caf\xe9\n")
     with pytest.raises(ConfigError, match=r"c\.yaml:3: not valid UTF-8"):
         load_config(cfg)
+    # not YAML: one line with the file's own name and place (PyYAML said "<unicode string>"
+    # over several lines); a section the file set to a number is named, not the override
+    cfg.write_text("ppo:\n  lr: [1\n")
+    with pytest.raises(ConfigError, match=r"c\.yaml:3:1: not valid YAML \(.*from 2:7\)$"):
+        load_config(cfg)
+    cfg.write_text("sft: 5\n")
+    with pytest.raises(ConfigError, match=r"^sft: expected a mapping of settings, got int 5"):
+        load_config(cfg, ["sft.examples=20"], stage="sft")
 
 
 def short_positions(folder, n: int = 16):
