@@ -247,9 +247,12 @@ def test_errors_are_one_line_naming_the_culprit(runs, prompts_file, tmp_path, ca
     empty_run.mkdir()
     (empty_run / "config.yaml").write_text((runs["full"] / "config.yaml").read_text())
     assert main([*gen, "--model", str(empty_run)]) == 2
-    assert error_line(capsys).startswith(f"error: {empty_run}: no checkpoint in")
+    assert error_line(capsys).startswith(f"error: {empty_run}: no step checkpoint in")
     assert main(["export", str(empty_run), str(tmp_path / "x")]) == 2
-    assert "no checkpoint" in error_line(capsys)
+    assert "no step checkpoint" in error_line(capsys)
+    (empty_run / "checkpoints" / "best").mkdir(parents=True)  # keep_best's alone: said
+    assert main(["export", str(empty_run), str(tmp_path / "x")]) == 2
+    assert error_line(capsys).endswith("it holds checkpoints/best: --checkpoint best reads it")
 
     assert main(["export", str(runs["full"]), str(tmp_path / "x"), "--checkpoint", "best"]) == 2
     assert error_line(capsys).endswith(
@@ -261,7 +264,7 @@ def test_errors_are_one_line_naming_the_culprit(runs, prompts_file, tmp_path, ca
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "fine"}\n{"prompt": \n')
     assert main(["generate", "--model", str(runs["full"]), "--prompts", str(bad)]) == 2
-    assert error_line(capsys) == f"error: {bad}:2: not valid JSON (Expecting value)"
+    assert error_line(capsys) == f"error: {bad}:2: not valid JSON (Expecting value at column 12)"
 
     ev = ["eval", "--model", str(runs["full"]), "--prompts", str(prompts_file)]
     ev += ["--out", str(tmp_path / "e.json"), "--reward", "tests.reward_fns:boom"]

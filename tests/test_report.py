@@ -380,6 +380,8 @@ def test_under_par_the_verdict_names_the_score_before_shaping_and_the_shaped_one
 
 def test_a_missing_or_broken_config_is_said_not_shown_as_all_defaults(tmp_path, caplog):
     # "Every setting is at its default ... {}" for a run whose config.yaml was torn
+    with pytest.raises(FileNotFoundError, match="nowhere/at/all: no such folder"):
+        build_report("/nowhere/at/all")  # not "no metrics.jsonl — is this a run directory?"
     run = _write_run(tmp_path)
     for text, said in (("ppo: [", "is unreadable"), (None, "is missing")):
         path = run / "config.yaml"

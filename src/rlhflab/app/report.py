@@ -236,6 +236,10 @@ def build_report(run_dir: str | Path) -> Path:
             f"{run}: a run with no iteration logged yet (still before the end of its first, "
             "or stopped before it): nothing to report"
         )
+    if not run.is_dir():
+        raise FileNotFoundError(
+            f"{run}: no such folder" if not run.exists() else f"{run}: not a folder"
+        )
     if not metrics_path.exists():
         raise FileNotFoundError(f"{run}: no metrics.jsonl — is this a run directory?")
     if not rows:

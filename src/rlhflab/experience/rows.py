@@ -161,14 +161,14 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict | DataError]]:
             if not line.strip():
                 continue
             try:
-                row = json.loads(line, object_pairs_hook=_refuse_repeated_keys)
+                row = json.loads(line.rstrip("\r\n"), object_pairs_hook=_refuse_repeated_keys)
             except json.JSONDecodeError as exc:
                 if n == 1 and line.lstrip().startswith("["):  # a pretty-printed .json array
                     raise DataError(
                         f"{path}: a JSON array over several lines; rlhflab reads "
                         f"{path.suffix} files as JSON Lines, one object per line"
                     ) from None
-                yield n, DataError(f"{path}:{n}: not valid JSON ({exc.msg})")
+                yield n, DataError(f"{path}:{n}: not valid JSON ({exc.msg} at column {exc.colno})")
                 continue
             except _RepeatedKey as exc:
                 yield n, DataError(f"{path}:{n}: field '{exc}' appears twice; keep one")

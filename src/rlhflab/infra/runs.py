@@ -92,9 +92,11 @@ def pick_checkpoint(run_dir: Path, which: str = "last") -> Path:
     if which == "last":
         path = C.latest_checkpoint(run_dir)
         if path is None:
+            best = (run_dir / "checkpoints" / "best").is_dir()
             raise C.CheckpointError(
-                f"{run_dir}: no checkpoint in {run_dir / 'checkpoints'} (a run writes one "
+                f"{run_dir}: no step checkpoint in {run_dir / 'checkpoints'} (a run writes one "
                 "every log.checkpoint_every iterations and at its end)"
+                + ("; it holds checkpoints/best: --checkpoint best reads it" if best else "")
             )
         return path
     path = run_dir / "checkpoints" / which
