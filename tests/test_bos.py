@@ -82,6 +82,15 @@ def test_bos_is_put_once_before_prompts_pairs_and_reward_inputs(bos_model):
     assert M.encode_prompt(tok, text).count(bos) == 1
 
 
+def test_a_reward_tokenizer_that_adds_bos_where_the_policys_does_not_is_another(bos_model):
+    # same vocabulary, EOS and pad: the policy's ids (no BOS) went to the reward model as
+    # they were, where its own encoding (training) starts with BOS
+    plain = M.load_tokenizer(M.resolve_path("preset:nano"))
+    with_bos = M.load_tokenizer(bos_model)
+    assert plain.get_vocab() == with_bos.get_vocab()
+    assert not M.same_tokenizer(plain, with_bos) and M.same_tokenizer(with_bos, with_bos)
+
+
 def test_tokenizers_that_add_nothing_are_left_as_they_were():
     # the presets', SmolLM2's, GPT-2's and Qwen2's tokenizers put nothing before a text
     tok = M.load_tokenizer(M.resolve_path("preset:nano"))
@@ -117,6 +126,16 @@ def test_answers_end_at_every_id_the_generation_config_lists(tmp_path, caplog):
         tok.save_pretrained(tmp_path / name)
     with caplog.at_level("INFO", logger="rlhflab.models.text"):
         loaded = M.load_tokenizer(tmp_path / "eot")
+    # an id the tokenizer does not have is left out, and said
+    gen = json.loads((tmp_path / "eot" / "generation_config.json").read_text())
+    (tmp_path / "odd").mkdir()
+    tok.save_pretrained(tmp_path / "odd")
+    (tmp_path / "odd" / "generation_config.json").write_text(
+        json.dumps({**gen, "eos_token_id": [tok.eos_token_id, 10**6]})
+    )
+    with caplog.at_level("WARNING", logger="rlhflab.models.text"):
+        assert M.stop_ids(M.load_tokenizer(tmp_path / "odd")) == (tok.eos_token_id,)
+    assert "[1000000] are no token ids of the tokenizer" in caplog.text
     assert M.stop_ids(loaded) == (tok.eos_token_id, eot)
     assert any("'<end_of_turn>'" in r.message for r in caplog.records)
     lm = M.load_causal_lm(tmp_path / "eot", loaded).eval()

@@ -24,7 +24,7 @@ from rlhflab.models.prepare import (
     hf_load,
 )
 from rlhflab.models.presets import preset_path
-from rlhflab.models.text import record_stop_ids
+from rlhflab.models.text import leading_special_ids, record_stop_ids
 
 log = logging.getLogger(__name__)
 
@@ -315,11 +315,13 @@ def load_sequence_classifier(
 
 
 def same_tokenizer(a, b) -> bool:
-    """Same vocabulary and special tokens: token ids can be passed between the two models."""
+    """Same vocabulary and special tokens (the leading BOS too): token ids can be passed
+    between the two models."""
     return (
         a.get_vocab() == b.get_vocab()
         and a.eos_token_id == b.eos_token_id
         and a.pad_token_id == b.pad_token_id
+        and leading_special_ids(a) == leading_special_ids(b)
     )
 
 

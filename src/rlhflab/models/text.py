@@ -69,11 +69,17 @@ def record_stop_ids(tokenizer, folder: Path) -> None:
     if path.is_file():
         try:
             listed = json.loads(path.read_text()).get("eos_token_id")
-        except (OSError, ValueError, AttributeError):
-            listed = None  # transformers reads (or refuses) the file itself
+        except (OSError, ValueError, AttributeError) as exc:
+            log.warning("%s: unreadable (%s); answers end at EOS only", path, exc)
+            listed = None
         listed = listed if isinstance(listed, list) else [listed]
         size = len(tokenizer)
-        ids += [t for t in listed if isinstance(t, int) and 0 <= t < size and t not in ids]
+        bad = [t for t in listed if t is not None and not (isinstance(t, int) and 0 <= t < size)]
+        if bad:
+            log.warning(
+                "%s: eos_token_id %s are no token ids of the tokenizer; left out", path, bad
+            )
+        ids += [t for t in listed if t not in bad and t is not None and t not in ids]
     tokenizer.__dict__["_rlhflab_stop_ids"] = tuple(ids)
     if len(ids) > 1:
         names = ", ".join(repr(tokenizer.convert_ids_to_tokens(t)) for t in ids)
