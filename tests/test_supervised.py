@@ -76,3 +76,26 @@ def test_an_output_folder_that_holds_another_model_is_refused(tmp_path, capsys):
     assert "sft.output_dir: empty" in capsys.readouterr().err
     assert (sft / "model.safetensors").read_bytes() == before
     assert (theirs / "config.json").read_text() == '{"my": "project config"}'
+
+
+def test_resuming_after_the_data_file_changed_says_so(tmp_path, caplog):
+    """run.json fingerprints the data files; a --resume after one was edited or replaced
+    trained on other data without a word (config changes were said, data changes not)."""
+    import json
+
+    data = tmp_path / "sft.jsonl"
+    data.write_text(
+        "".join(json.dumps({"prompt": f"q{i}", "response": " a"}) + "\n" for i in range(8))
+    )
+    args = ["sft", "model.policy=preset:nano", f"sft.data={data}", "sft.batch_size=4", "device=cpu"]
+    args += [f"sft.output_dir={tmp_path / 'out'}", "sft.checkpoint_every=1", "log.progress=false"]
+    assert main([*args, "sft.steps=1"]) == 0
+    info = json.loads((tmp_path / "out" / "run" / "run.json").read_text())
+    assert set(info["data"]) == {"sft.data"}
+    with caplog.at_level("WARNING", logger="rlhflab.trainers.loop"):
+        assert main([*args, "sft.steps=2", "--resume"]) == 0
+    assert "changed since" not in caplog.text  # the same file: nothing said
+    data.write_text(data.read_text().replace(" a", " b"))
+    with caplog.at_level("WARNING", logger="rlhflab.trainers.loop"):
+        assert main([*args, "sft.steps=3", "--resume"]) == 0
+    assert f"sft.data ({data}) changed since the steps so far read it" in caplog.text

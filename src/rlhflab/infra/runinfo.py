@@ -9,6 +9,7 @@ ends, each time whole and atomically (a temporary file renamed over the old one)
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -70,3 +71,46 @@ def write_run_info(run_dir: str | Path, info: dict) -> Path:
     """Replace the run's run.json with ``info`` in one rename."""
     path = Path(run_dir) / RUN_INFO
     return write_text_atomic(path, json.dumps(info, indent=2, ensure_ascii=False, default=str))
+
+
+# the data files a config names: a --resume after one changed trains on other data
+DATA_FIELDS = (("data", "prompts"), ("sft", "data"), ("rm", "data"), ("dpo", "data"))
+_EDGE = 1 << 20  # bytes hashed at each end of a file: fast for a many-GB file
+
+
+def data_fingerprints(config: dict) -> dict[str, dict]:
+    """``section.field`` → size, modification time and a hash of the first and last MiB
+    of each local data file (for a dataset folder: of its files' names and sizes) the
+    config names. Not a proof of sameness, but an edit or a replaced file shows."""
+    out = {}
+    for sec, name in DATA_FIELDS:
+        value = (config.get(sec) or {}).get(name)
+        path = Path(value).expanduser() if isinstance(value, str) and value else None
+        if path is None or not path.exists():
+            continue
+        digest = hashlib.sha256()
+        if path.is_dir():
+            for f in sorted(p for p in path.rglob("*") if p.is_file()):
+                digest.update(f"{f.relative_to(path)}:{f.stat().st_size}\n".encode())
+            out[f"{sec}.{name}"] = {"path": str(path), "sha256": digest.hexdigest()}
+            continue
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            digest.update(f.read(_EDGE))
+            if size > 2 * _EDGE:
+                f.seek(size - _EDGE)
+                digest.update(f.read(_EDGE))
+        out[f"{sec}.{name}"] = {"path": str(path), "size": size, "sha256": digest.hexdigest()}
+    return out
+
+
+def data_changes(before: dict | None, now: dict) -> list[str]:
+    """The data files whose fingerprint differs from ``before`` (run.json's)."""
+    before = before or {}
+    return [
+        f"{key} ({now[key]['path']})"
+        for key in now
+        if key in before
+        and {k: v for k, v in before[key].items() if k != "path"}
+        != {k: v for k, v in now[key].items() if k != "path"}
+    ]

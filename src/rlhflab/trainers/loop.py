@@ -143,8 +143,7 @@ class RunLoop:
         return RunResult(job.iteration, metrics, reason, time.perf_counter() - start)
 
     def _start_info(self, job: Job, resume_step: int | None) -> dict:
-        """run.json as the run starts (rank 0 writes it): a resumed run keeps its first start
-        and its wall time so far."""
+        """run.json as the run starts (rank 0): a resume keeps its first start, wall time."""
         if not self.is_main:
             return {}
         old = (runinfo.read_run_info(self.run_dir) or {}) if resume_step is not None else {}
@@ -159,7 +158,10 @@ class RunLoop:
             **({"resumed_at": resume_step} if resume_step is not None else {}),
             **runinfo.machine_facts(),
             **self._facts(),
+            "data": runinfo.data_fingerprints(self.config),
         }
+        for changed in runinfo.data_changes(old.get("data"), info["data"]):
+            log.warning("--resume: %s changed since the steps so far read it", changed)
         runinfo.write_run_info(self.run_dir, info)
         return info
 
@@ -305,8 +307,7 @@ class RunLoop:
         )
 
     def _refuse_reading_from_checkpoints(self, verb: str) -> None:
-        """Never delete or move the checkpoints a setting of this run reads from (a
-        ``model.policy`` in ``RUN/checkpoints/best``)."""
+        """Never delete or move the checkpoints a setting of this run reads from."""
         kept = (self.run_dir / "checkpoints").resolve()
         for sec, name in PATH_FIELDS:
             values = (self.config.get(sec) or {}).get(name)
@@ -335,8 +336,7 @@ class RunLoop:
         )
 
 
-def _every_rank_here() -> None:
-    """Under torchrun, wait until every rank is here (nothing without a process group)."""
+def _every_rank_here() -> None:  # under torchrun (nothing without a process group)
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
