@@ -373,7 +373,7 @@ def test_a_file_the_command_cannot_write_is_one_line(monkeypatch, capsys):
             OSError(errno.EROFS, "Read-only file system", "/ro/run/config.yaml"),
             "/ro/run/config.yaml: Read-only",
         ),
-        (OSError(errno.ENOSPC, "No space left on device", "/full/x"), "then --resume"),
+        (OSError(errno.ENOSPC, "No space left on device"), "writing a file failed: No space"),
         (
             RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64"),
             "is the disk full?",

@@ -344,17 +344,20 @@ def test_a_lone_surrogate_or_a_row_nested_too_deeply_is_a_bad_row(tmp_path):
     assert prompts == ["a \U0001f600", "c"] and report.skipped == 2  # a paired one is fine
 
 
-def test_a_prompt_row_with_both_prompt_and_messages_is_a_bad_row(tmp_path):
-    # the messages were ignored without a word (SFT refuses its like: completion + response)
-    from rlhflab.experience.data import DataError, load_prompts
+def test_prompt_rows_with_both_prompt_and_messages_read_the_prompt_and_say_so(tmp_path, caplog):
+    # the messages were ignored without a word; many Hub prompt sets hold both columns, so
+    # the prompt field is read, as before, and the log says it
+    from rlhflab.experience.data import load_prompts
     from rlhflab.models import load_tokenizer
     from rlhflab.models.presets import preset_path
 
     f = tmp_path / "p.jsonl"
     both = {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}
     f.write_text(json.dumps({"prompt": "c"}) + "\n" + json.dumps(both) + "\n")
-    with pytest.raises(DataError, match=r"p\.jsonl:2: fields 'prompt' and 'messages' are both set"):
-        load_prompts(f, load_tokenizer(preset_path("nano")), 64)
+    with caplog.at_level("WARNING", logger="rlhflab.experience.data"):
+        prompts, _ = load_prompts(f, load_tokenizer(preset_path("nano")), 64)
+    assert prompts == ["c", "a"]
+    assert "1 rows hold both 'prompt' and 'messages'; 'prompt' is read" in caplog.text
 
 
 def test_a_csv_cell_longer_than_the_csv_modules_default_limit_is_read(tmp_path):

@@ -38,7 +38,7 @@ def test_supervised_stages_halt_in_one_line_and_keep_the_last_good_weights(
     tmp_path, capsys, command, args, trainer
 ):
     out = tmp_path / "out"
-    out.mkdir()
+    (out / "run").mkdir(parents=True)  # an earlier output of the stage (its run/ beside it)
     (out / "previous.txt").write_text("an earlier model lives here")
     rc = main(
         [

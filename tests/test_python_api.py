@@ -316,3 +316,20 @@ def test_a_lora_adapter_saved_from_python_names_its_base_absolutely(tmp_path, mo
     out = trainer.save("adapter", merge_lora=False)
     base = json.loads((Path(out) / "adapter_config.json").read_text())["base_model_name_or_path"]
     assert base == str(tmp_path / "run" / "inputs" / "policy")
+
+
+def test_an_unusable_output_folder_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    # the API wrote inputs/ (or a model object's copy) into the folder before the trainer
+    # refused it: into the current folder for output_dir=""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match="sft.output_dir: empty"):
+        rlhflab.SFTTrainer("preset:nano", data=[("a", " b")] * 4, output_dir="")
+    with pytest.raises(ConfigError, match="log.output_dir: empty"):
+        rlhflab.PPOTrainer("preset:nano", reward=short, prompts=PROMPTS, output_dir="")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="holds files rlhflab did not write"):
+        rlhflab.SFTTrainer("preset:nano", data=[("a", " b")] * 4, output_dir=mine)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
+    assert [p.name for p in mine.iterdir()] == ["config.json"]

@@ -25,6 +25,7 @@ from pathlib import Path
 from rlhflab.app import inputs as I
 from rlhflab.config import Config, ConfigError, load_config, validate
 from rlhflab.config.base import to_dict
+from rlhflab.trainers.supervised import check_output_folder
 
 # callback(trainer, step, metrics) after every logged step; a true return stops the run there
 Callback = Callable[["Trainer", int, dict], object]
@@ -71,6 +72,11 @@ def _callbacks(callbacks) -> list:
     return out
 
 
+def _not_empty(folder: str, field: str) -> None:
+    if not str(folder).strip():  # "" would be the current folder
+        raise ConfigError(f"{field}: empty; give a folder")
+
+
 class Trainer:
     """What every trainer class shares: the config, the engine, callbacks, train and save."""
 
@@ -110,6 +116,7 @@ class Trainer:
         cfg = self.config
         if output_dir is not None:
             cfg.log.output_dir = str(output_dir)
+        _not_empty(cfg.log.output_dir, "log.output_dir")  # before inputs/ is written
         inputs = Path(cfg.log.output_dir) / "inputs"
         if model is not None:
             folder = I.model_folder(model, tokenizer, inputs / "policy", "model", self.resume)
@@ -281,6 +288,9 @@ class _ModelOut(Trainer):
         section = getattr(self.config, self.stage)
         if output_dir is not None:
             section.output_dir = str(output_dir)
+        # refused before inputs/ (or a copy of a model object) is written into it
+        _not_empty(section.output_dir, f"{self.stage}.output_dir")
+        check_output_folder(self.config, self.stage, Path(section.output_dir))
         inputs = Path(section.output_dir) / "run" / "inputs"
         if model is None:
             return inputs, current

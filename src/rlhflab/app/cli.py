@@ -372,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         said = storage_error(exc)
         if said is None:
             raise
-        print(f"error: {said}", file=sys.stderr)
+        print(f"error{f' (rank {rank})' if rank else ''}: {said}", file=sys.stderr)
         code = 2
     except KeyboardInterrupt:
         # Ctrl-C: checkpoints and result files are written whole or not at all, so what is

@@ -44,8 +44,8 @@ def storage_error(exc: BaseException) -> str | None:
     if isinstance(exc, OSError) and exc.errno in (
         errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM,
     ):  # fmt: skip
-        where = exc.filename or "a file"
-        hint = "; free some space, then --resume" if exc.errno == errno.ENOSPC else ""
+        where = exc.filename or "writing a file failed"
+        hint = "; free some space and run it again" if exc.errno == errno.ENOSPC else ""
         return f"{where}: {exc.strerror}{hint}"
     # torch's checkpoint writer says a full disk its own way
     if isinstance(exc, RuntimeError) and any(

@@ -180,13 +180,14 @@ def merge_overrides(data: dict, overrides: list[str] | dict | None) -> dict:
         items = [(*parse_override(text), text) for text in overrides or []]
     for path, value, text in items:
         node = data
-        for part in path[:-1]:
+        for depth, part in enumerate(path[:-1]):
             if node.get(part) is None:  # absent, or a YAML section left empty ("ppo:")
                 node[part] = {}
             node = node[part]
             if not isinstance(node, dict):  # the file (or an earlier override) set it so
                 raise ConfigError(
-                    f"{part}: expected a mapping of settings, got {type(node).__name__} "
+                    f"{'.'.join(path[: depth + 1])}: expected a mapping of settings, got "
+                    f"{type(node).__name__} "
                     f"{node!r} (so override {text!r} has no section to go into)"
                 )
         node[path[-1]] = value
@@ -221,7 +222,7 @@ def load(
                 f"{path}:{exc.args[1]}: {exc.args[0]!r} is set twice in one section; keep one"
             ) from None
         except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}:{_yaml_problem(exc)}") from None
+            raise ConfigError(f"{path}{_yaml_problem(exc)}") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
         data = _deep_merge(data, loaded)
@@ -230,15 +231,16 @@ def load(
 
 
 def _yaml_problem(exc: yaml.YAMLError) -> str:
-    """``LINE: not valid YAML (what)`` on one line, where PyYAML says it in several
-    (naming "<unicode string>" for the file)."""
+    """``:LINE:COLUMN: not valid YAML (what)`` on one line, where PyYAML says it in
+    several (naming "<unicode string>" for the file)."""
     mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
     what = getattr(exc, "problem", None) or getattr(exc, "context", None) or str(exc)
     context, opened = getattr(exc, "context", None), getattr(exc, "context_mark", None)
     if context and opened is not None and opened is not mark:  # e.g. a bracket never closed
         what = f"{what}; {context} from {opened.line + 1}:{opened.column + 1}"
-    where = f"{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
-    return f"{where}: not valid YAML ({' '.join(str(what).split())})"
+    where = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+    what = str(what).split(' in "<unicode string>"')[0]  # PyYAML's name for the text
+    return f"{where}: not valid YAML ({' '.join(what.split())})"
 
 
 class _RepeatedSetting(Exception):

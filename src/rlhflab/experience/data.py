@@ -57,10 +57,12 @@ def load_prompts(
     ``split``: the part of a DatasetDict to read (``data.split``)."""
     prompts, report = [], LoadReport()
     rows = open_rows(source, split)
+    both = 0  # rows with both fields (many Hub prompt sets): the prompt field is read
     for n, row in rows:
         try:
             if isinstance(row, DataError):
                 raise row
+            both += row.get(prompt_field) not in (None, "") and bool(row.get(messages_field))
             prompts.append(
                 _prompt_from_row(
                     row, tokenizer, max_tokens, rows.where(n), prompt_field, messages_field
@@ -72,6 +74,12 @@ def load_prompts(
                 raise
             report.skipped += 1
             report.reasons.append(str(exc))
+    if both:
+        log.warning(
+            "%s: %d rows hold both '%s' and '%s'; '%s' is read (data.prompt_field / "
+            "data.messages_field name the fields)",
+            rows.name, both, prompt_field, messages_field, prompt_field,
+        )  # fmt: skip
     if report.skipped:
         log.warning(
             "%s: skipped %d bad rows (first: %s)", rows.name, report.skipped, report.reasons[0]
@@ -82,10 +90,6 @@ def load_prompts(
 
 
 def _prompt_from_row(row: dict, tokenizer, max_tokens, where, prompt_field, messages_field) -> str:
-    if row.get(prompt_field) not in (None, "") and row.get(messages_field) not in (None, ""):
-        raise DataError(  # one would be dropped silently
-            f"{where}: fields '{prompt_field}' and '{messages_field}' are both set; keep one"
-        )
     if row.get(prompt_field) not in (None, ""):
         name, text = prompt_field, row[prompt_field]
         if isinstance(text, list):

@@ -73,17 +73,18 @@ def write_run_info(run_dir: str | Path, info: dict) -> Path:
     return write_text_atomic(path, json.dumps(info, indent=2, ensure_ascii=False, default=str))
 
 
-# the data files a config names: a --resume after one changed trains on other data
-DATA_FIELDS = (("data", "prompts"), ("sft", "data"), ("rm", "data"), ("dpo", "data"))
+# the data file each trainer reads: a --resume after it changed trains on other data
+DATA_FIELDS = {"SFT": ("sft", "data"), "RM": ("rm", "data"), "DPO": ("dpo", "data")}
+PROMPTS = ("data", "prompts")  # PPO, GRPO, RLOO
 _EDGE = 1 << 20  # bytes hashed at each end of a file: fast for a many-GB file
 
 
-def data_fingerprints(config: dict) -> dict[str, dict]:
-    """``section.field`` → size, modification time and a hash of the first and last MiB
-    of each local data file (for a dataset folder: of its files' names and sizes) the
-    config names. Not a proof of sameness, but an edit or a replaced file shows."""
+def data_fingerprints(config: dict, trainer: str) -> dict[str, dict]:
+    """``section.field`` → size and a hash of the first and last MiB of the local data
+    file ``trainer`` reads (for a dataset folder: of its files' names and sizes). Not a
+    proof of sameness, but an edit or a replaced file shows."""
     out = {}
-    for sec, name in DATA_FIELDS:
+    for sec, name in [DATA_FIELDS.get(trainer, PROMPTS)]:
         value = (config.get(sec) or {}).get(name)
         path = Path(value).expanduser() if isinstance(value, str) and value else None
         if path is None or not path.exists():
@@ -97,9 +98,9 @@ def data_fingerprints(config: dict) -> dict[str, dict]:
         size = path.stat().st_size
         with path.open("rb") as f:
             digest.update(f.read(_EDGE))
-            if size > 2 * _EDGE:
-                f.seek(size - _EDGE)
-                digest.update(f.read(_EDGE))
+            if size > _EDGE:  # the last MiB, or all the rest of a file under 2 MiB
+                f.seek(max(_EDGE, size - _EDGE))
+                digest.update(f.read())
         out[f"{sec}.{name}"] = {"path": str(path), "size": size, "sha256": digest.hexdigest()}
     return out
 

@@ -158,7 +158,7 @@ class RunLoop:
             **({"resumed_at": resume_step} if resume_step is not None else {}),
             **runinfo.machine_facts(),
             **self._facts(),
-            "data": runinfo.data_fingerprints(self.config),
+            "data": runinfo.data_fingerprints(self.config, self.name),
         }
         for changed in runinfo.data_changes(old.get("data"), info["data"]):
             log.warning("--resume: %s changed since the steps so far read it", changed)
@@ -298,10 +298,10 @@ class RunLoop:
         why = (
             "--resume: %s holds no checkpoint to continue from; starting afresh"
             if (asked_resume)
-            else "%s holds an earlier run; starting afresh (--resume would continue it)"
+            else "%s holds an earlier run; starting afresh (--resume continues it; log.earlier_run)"
         )
         log.warning(
-            why + " — the earlier run's logs and checkpoints are kept in %s (log.earlier_run)",
+            why + " — the earlier run's logs and checkpoints are kept in %s",
             self.run_dir,
             aside,
         )

@@ -45,8 +45,8 @@ def check_output_folder(cfg: Config, stage: str, out: Path) -> None:
     model starts from (``rm.output_dir`` = the SFT model's folder replaced the SFT policy
     with a reward model), or when it holds files this stage did not write (a project's
     own config.json was replaced without a word). An empty folder (but for rlhflab's own
-    run/ and inputs/), or one an earlier run of the same stage wrote (``run/run.json``),
-    is taken."""
+    run/ and inputs/), or one an earlier run of the same stage wrote (its ``run/``), is
+    taken."""
     from rlhflab.infra.runinfo import read_run_info
 
     field = f"{stage}.output_dir"
@@ -62,17 +62,20 @@ def check_output_folder(cfg: Config, stage: str, out: Path) -> None:
     # rlhflab's own: the run's logs and checkpoints, the Python API's inputs
     if not out.is_dir() or all(p.name in (RUN, "inputs") for p in out.iterdir()):
         return
+    # a stage's output has its run/ beside the model (run.json names the stage; an older
+    # run, or one stopped before its start was recorded, may have none)
     wrote = (read_run_info(out / RUN) or {}).get("trainer")
-    if wrote != stage.upper():
-        held = (
-            f"the model `rlhflab {wrote.lower()}` wrote"
-            if isinstance(wrote, str)
-            else "files rlhflab did not write"
-        )
-        raise ConfigError(
-            f"{field}: {out} holds {held}; the {stage} model's files would replace them — "
-            "give another (or an empty) folder"
-        )
+    if (out / RUN).is_dir() and wrote in (None, stage.upper()):
+        return
+    held = (
+        f"the model `rlhflab {wrote.lower()}` wrote"
+        if isinstance(wrote, str)
+        else "files rlhflab did not write"
+    )
+    raise ConfigError(
+        f"{field}: {out} holds {held}; the {stage} model's files would replace them — "
+        "give another (or an empty) folder"
+    )
 
 
 class SupervisedTrainer:
