@@ -269,3 +269,12 @@ def test_a_preset_sweeps_base_models_are_reused_only_if_trained_as_this_start_as
     with pytest.raises(ConfigError, match=r"base/rm was trained with other settings.*rm\.lr"):
         preset_base("quick", 0, out, small + ["rm.lr=2e-4"])
     assert [w.stat().st_mtime_ns for w in weights] == stamps
+
+
+def test_a_seed_beyond_numpys_makes_a_sampler(tmp_path):
+    # rlhflab's seed goes to 2^63 - 1; Optuna's TPE sampler (numpy) refused one over 2^32
+    from rlhflab.app.sweep import open_study
+
+    cfg = load_config(base=CONFIG, overrides=[f"seed={2**40}"])
+    study = open_study(optuna, f"sqlite:///{tmp_path / 's.db'}", "big-seed", cfg)
+    assert isinstance(study.sampler, optuna.samplers.TPESampler)

@@ -220,6 +220,8 @@ def open_study(optuna, storage: str, name: str, cfg: Config, worker: int = 0, sh
     seed = cfg.seed + 1000 * worker + len(study.get_trials(deepcopy=False))
     if shared:
         seed += zlib.crc32(f"{socket.gethostname()}:{os.getpid()}".encode()) % 1_000_000
+    # numpy's seeds (Optuna's) stop at 2^32; rlhflab's seed goes to 2^63 - 1
+    seed %= 2**32
     study.sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=s.startup_trials)
     return study
 
