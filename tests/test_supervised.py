@@ -99,3 +99,15 @@ def test_resuming_after_the_data_file_changed_says_so(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="rlhflab.trainers.loop"):
         assert main([*args, "sft.steps=3", "--resume"]) == 0
     assert f"sft.data ({data}) changed since the steps so far read it" in caplog.text
+
+
+def test_a_fresh_sft_that_starts_from_its_own_checkpoint_names_sft_output_dir(tmp_path, capsys):
+    # the refusal told SFT users to change log.output_dir, which SFT does not read
+    out = tmp_path / "out"
+    args = ["sft", "sft.steps=1", "sft.examples=20", "device=cpu", "log.progress=false"]
+    args += [f"sft.output_dir={out}", "sft.checkpoint_every=1"]
+    assert main([*args, "model.policy=preset:nano"]) == 0
+    policy = out / "run" / "checkpoints" / "step-1" / "policy"
+    assert main([*args, f"model.policy={policy}"]) == 2
+    assert "give this run another sft.output_dir" in capsys.readouterr().err
+    assert policy.is_dir()

@@ -260,10 +260,8 @@ class RunLoop:
         return RunLog(self.run_dir, self.log.tensorboard, self.log.wandb, self.config, resume_step)
 
     def _clear_earlier_run(self) -> None:
-        """``log.earlier_run=replace``: a fresh start in a folder that holds a run replaces
-        that run whole: its logs go (RunLog), and so do its checkpoints and report — a newer
-        step-N of the old run would otherwise be what --resume, export or generate pick."""
-        # the logs go with RunLog, run.json is written afresh
+        """``log.earlier_run=replace``: the earlier run goes whole — logs (RunLog), checkpoints
+        and report (a newer step-N of it would be what --resume, export, generate pick)."""
         stale = _earlier_run(self.run_dir, ("checkpoints", "report.html", "tensorboard"))
         if not stale:
             return
@@ -316,7 +314,7 @@ class RunLoop:
                     raise ConfigError(
                         f"{sec}.{name}: {value} is inside {kept}, which starting afresh in "
                         f"{self.run_dir} would {verb}; give this run another "
-                        "log.output_dir (or --resume the old one)"
+                        f"{_OUTPUT.get(self.name, 'log')}.output_dir (or --resume the old one)"
                     )
 
     def _record(self, runlog, step: int, metrics: dict) -> None:
@@ -334,6 +332,9 @@ class RunLoop:
             or job.iteration == self.total
             or stop_reason
         )
+
+
+_OUTPUT = {"SFT": "sft", "RM": "rm"}  # where SFT and RM name their folder (run/ in it)
 
 
 def _every_rank_here() -> None:  # under torchrun (nothing without a process group)
@@ -387,8 +388,7 @@ def _read_yaml(path: Path) -> dict:
 
 
 def config_changes(old: dict, new: dict, prefix: str = "") -> list[str]:
-    """``key: old → new`` for every dotted setting that differs between two config trees
-    (a resumed run continues with the new one; this says what that changes)."""
+    """``key: old → new`` for every dotted setting that differs between two config trees."""
     out = []
     for key in sorted(set(old) | set(new), key=str):
         a, b = old.get(key, "<unset>"), new.get(key, "<unset>")
