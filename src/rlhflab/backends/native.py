@@ -161,7 +161,26 @@ def _grown(buffer: torch.Tensor, filled: int, capacity: int) -> torch.Tensor:
     return out
 
 
+_HALF = (torch.bfloat16, torch.float16)
+
+
 class NativeAttention(nn.Module):
+    """Llama attention: q/k/v projections, rotary embedding, SDPA (grouped-query where
+    kv_heads < heads), o projection.
+
+    ``fp32_on_cpu`` (``model.cpu_attention_fp32``, set per model by
+    ``models.build.finish_models``): when the projections come out in 16 bits on a CPU
+    (``model.compute_dtype`` bf16/fp16, or a frozen model held in bf16/fp16), the rotary
+    embedding, the KV cache and SDPA run in fp32 between them. torch 2.13's CPU flash
+    attention is several times slower in bf16 than in fp32 — its backward ~4x at
+    SmolLM2-135M's (8, 9, 68, 64) on an AMX Xeon, 0.72 of a 6.2 s PPO iteration
+    (docs/real-models.md, "Precision") — while the attention's own products are a
+    small part of the work. It is also how transformers' Llama computes the rotary
+    embedding under autocast (16-bit q times fp32 cos: fp32), rounded once instead of
+    after each multiply. The output is cast back for o_proj (autocast would cast it)."""
+
+    fp32_on_cpu = True
+
     def __init__(self, cfg: NativeConfig, layer: int):
         super().__init__()
         self.layer, hd = layer, cfg.head_dim
@@ -182,6 +201,11 @@ class NativeAttention(nn.Module):
         q = self.q_proj(xq).view(B, Lq, self.heads, -1).transpose(1, 2)
         k = self.k_proj(x).view(B, L, self.kv_heads, -1).transpose(1, 2)
         v = self.v_proj(x).view(B, L, self.kv_heads, -1).transpose(1, 2)
+        narrow = q.dtype
+        wide = self.fp32_on_cpu and q.device.type == "cpu" and narrow in _HALF
+        if wide:  # see the class docstring: rotary, cache and attention in fp32
+            q, k, v = q.float(), k.float(), v.float()
+            cos, sin = cos.float(), sin.float()
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         q = apply_rotary(q, cos[:, :, L - Lq :], sin[:, :, L - Lq :])
         k = apply_rotary(k, cos, sin)
@@ -189,15 +213,29 @@ class NativeAttention(nn.Module):
             k, v = cache.update(self.layer, k, v)
         if Lq < L:
             mask = _last_rows(mask, Lq, k.shape[2], x.device)
-        out = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=mask,
-            is_causal=mask is None and Lq > 1,
-            enable_gqa=self.kv_heads != self.heads,
-        )
+        causal, gqa = mask is None and Lq > 1, self.kv_heads != self.heads
+        if wide:  # CPU autocast would lower SDPA's inputs to 16 bits again
+            with torch.autocast("cpu", enabled=False):
+                out = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa
+                ).to(narrow)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa
+            )
         return self.o_proj(out.transpose(1, 2).reshape(B, Lq, -1))
+
+
+def set_cpu_attention_fp32(on: bool, models) -> int:
+    """``model.cpu_attention_fp32`` on every :class:`NativeAttention` of ``models`` (None
+    entries and other runtimes' models are skipped); returns how many were set."""
+    n = 0
+    for model in models:
+        for module in model.modules() if model is not None else ():
+            if isinstance(module, NativeAttention):
+                module.fp32_on_cpu = bool(on)
+                n += 1
+    return n
 
 
 def _last_rows(mask: torch.Tensor | None, rows: int, T: int, device) -> torch.Tensor:

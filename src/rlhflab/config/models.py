@@ -132,6 +132,18 @@ class ModelConfig:
         "CPU device only.",
         choices=("torch", "numpy"),
     )
+    cpu_attention_fp32: bool = setting(
+        True,
+        "Native runtime on a CPU: when a model's q/k/v projections come out in 16 bits "
+        "(compute_dtype bf16/fp16, or a frozen model held in bf16/fp16), its rotary "
+        "embedding, KV cache and attention run in fp32 between the projections. torch "
+        "2.13's CPU attention is several times slower in bf16 than in fp32 (the backward "
+        "~4x at SmolLM2-135M's shapes on an AMX Xeon: a tenth of a bf16 PPO iteration), "
+        "while attention's products are a small share of the work; fp32 rotary is also "
+        "what transformers' Llama computes under autocast. Off: attention in the "
+        "projections' dtype, as on a GPU, where this never applies "
+        "(docs/real-models.md, 'Precision').",
+    )
     lora_r: int = setting(
         0,
         "LoRA rank for the policy (0 = full fine-tuning). With LoRA the reference is the base "

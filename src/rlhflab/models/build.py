@@ -12,6 +12,7 @@ from torch import nn
 
 from rlhflab.backends.cpu_blas import apply_cpu_matmul
 from rlhflab.backends.lean import make_activations_lean
+from rlhflab.backends.native import set_cpu_attention_fp32
 from rlhflab.config.models import ModelConfig
 from rlhflab.models.frozen import PRECISION_DTYPES
 from rlhflab.models.heads import critic_from_causal_lm
@@ -95,12 +96,13 @@ def prepare_trained(model: nn.Module, options: ModelConfig) -> nn.Module:
 
 def finish_models(options: ModelConfig, device, trained=(), frozen=()) -> None:
     """The options that apply once every model exists: the CPU matmul library (after
-    quantisation and offloading, so only plain float Linear layers change) and activation
-    checkpointing (trained models). Trained models are checked to hold fp32 weights; a
+    quantisation and offloading, so only plain float Linear layers change), the native
+    runtime's CPU attention precision and activation checkpointing (trained models). Trained models are checked to hold fp32 weights; a
     model.compute_dtype this device cannot run is refused here, before any training."""
     autocast_dtype(device, options.compute_dtype)
     trained = [m for m in trained if m is not None]
     apply_cpu_matmul(options.cpu_matmul, device, [*trained, *frozen])
+    set_cpu_attention_fp32(options.cpu_attention_fp32, [*trained, *frozen])
     for model in trained:
         if options.gradient_checkpointing:
             enable_gradient_checkpointing(model)

@@ -1,0 +1,140 @@
+"""model.cpu_attention_fp32: the native runtime's rotary embedding, KV cache and attention in
+fp32 on the CPU when the projections come out in 16 bits (backends/native.py)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rlhflab import models as M
+from rlhflab.backends.native import NativeAttention, set_cpu_attention_fp32
+from rlhflab.config import load_config
+from rlhflab.models.build import finish_models, load_model, load_tokenizer_for, to_trained
+from rlhflab.trainers.ppo import PPOTrainer
+
+REWARD = {"functions": {"rlhflab.builtin.toy_rewards:vowel_reward": 1.0}}
+
+
+def native_nano(*overrides, trained=True, precision="fp32"):
+    cfg = load_config(
+        base={"model": {"policy": "preset:nano", "runtime": "native"}, "reward": REWARD},
+        overrides=list(overrides),
+    )
+    tok = load_tokenizer_for(cfg.model.policy, cfg.model)
+    model = load_model(cfg.model.policy, tok, cfg.model, trained=trained, precision=precision)
+    if trained:
+        finish_models(cfg.model, "cpu", trained=(model,))
+        return to_trained(model, "cpu", "policy").eval()
+    finish_models(cfg.model, "cpu", frozen=(model,))
+    return model.eval()
+
+
+@pytest.fixture
+def sdpa_dtypes(monkeypatch):
+    """The dtypes of q, k and v every SDPA call of this test received."""
+    seen, real = [], F.scaled_dot_product_attention
+
+    def recording(q, k, v, **kw):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    return seen
+
+
+def batch():
+    ids = torch.randint(3, 400, (3, 10), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # a left-padded row
+    return ids, mask
+
+
+def test_bf16_compute_attends_in_fp32_on_the_cpu_unless_switched_off(sdpa_dtypes):
+    model = native_nano()
+    ids, mask = batch()
+    with torch.no_grad():
+        ref = M.causal_forward(model, ids, mask).logits
+        with M.compute_autocast("cpu", "bf16"):
+            wide = M.causal_forward(model, ids, mask).logits
+        assert set(sdpa_dtypes[-2:]) == {(torch.float32,) * 3}
+        set_cpu_attention_fp32(False, [model])
+        with M.compute_autocast("cpu", "bf16"):
+            narrow = M.causal_forward(model, ids, mask).logits
+        assert set(sdpa_dtypes[-2:]) == {(torch.bfloat16,) * 3}
+    real = mask.bool()
+    for out in (wide, narrow):  # both are fp32's logits up to bf16 rounding
+        err = (out.float() - ref)[real].abs().max() / ref[real].abs().max()
+        assert 0 < err < 5e-2
+    assert not torch.equal(wide, narrow)  # the switch changes the arithmetic
+
+
+def test_fp32_compute_is_untouched_by_the_switch(sdpa_dtypes):
+    model = native_nano()
+    ids, mask = batch()
+    with torch.no_grad():
+        on = M.causal_forward(model, ids, mask).logits
+        set_cpu_attention_fp32(False, [model])
+        off = M.causal_forward(model, ids, mask).logits
+    assert torch.equal(on, off)
+    assert set(sdpa_dtypes) == {(torch.float32,) * 3}
+
+
+def test_a_frozen_bf16_model_attends_in_fp32_without_autocast(sdpa_dtypes):
+    model = native_nano(trained=False, precision="bf16")
+    assert next(model.parameters()).dtype == torch.bfloat16
+    ids, mask = batch()
+    with torch.no_grad():
+        logits = M.causal_forward(model, ids, mask).logits
+    assert torch.isfinite(logits.float()).all()
+    assert set(sdpa_dtypes) == {(torch.float32,) * 3}
+
+
+def test_kv_cached_decoding_matches_the_full_forward_in_fp32_attention():
+    """Sampling's cache holds fp32 keys and values: the last position's logits from a
+    prompt forward plus one cached step equal a full forward's up to bf16 rounding."""
+    model = native_nano()
+    ids, mask = batch()
+    with torch.no_grad(), M.compute_autocast("cpu", "bf16"):
+        full = M.causal_forward(model, ids, mask).logits[:, -1]
+        first = model(ids[:, :-1], attention_mask=mask[:, :-1], use_cache=True)
+        cache = first.past_key_values
+        assert all(k.dtype == torch.float32 for k in cache.keys)
+        step = model(ids[:, -1:], attention_mask=mask, past_key_values=cache, use_cache=True)
+    last = step.logits[:, -1].float()
+    assert (last - full.float()).abs().max() / full.float().abs().max() < 2e-2
+
+
+def test_gradients_flow_to_fp32_weights_through_the_fp32_attention():
+    model = native_nano().train()
+    ids, mask = batch()
+    with M.compute_autocast("cpu", "bf16"):
+        logits = M.causal_forward(model, ids, mask).logits
+    logits.float().logsumexp(-1).mean().backward()
+    q = model.model.layers[0].self_attn.q_proj.weight
+    assert q.grad is not None and q.grad.dtype == torch.float32 and q.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_the_ppo_config_sets_every_model_s_attention(tmp_path, on):
+    cfg = load_config(
+        base={
+            "device": "cpu",
+            "model": {"policy": "preset:nano", "runtime": "native", "value_model": "separate"},
+            "reward": REWARD,
+            "rollout": {"prompts_per_iteration": 4, "max_new_tokens": 4},
+            "ppo": {"iterations": 1, "epochs": 1, "minibatches": 1},
+            "log": {"output_dir": str(tmp_path / "run"), "progress": False},
+        },
+        overrides=["model.compute_dtype=bf16", f"model.cpu_attention_fp32={on}"],
+    )
+    trainer = PPOTrainer(cfg)
+    cast = trainer.cast
+    flags = {
+        m.fp32_on_cpu
+        for model in (cast.policy, cast.critic, cast.reference)
+        for m in model.modules()
+        if isinstance(m, NativeAttention)
+    }
+    assert flags == {on}
+    row = trainer.step()
+    first = trainer.first_minibatch
+    assert abs(first["policy/ratio_mean"] - 1) < 1e-5, row
