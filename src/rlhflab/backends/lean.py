@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rlhflab.backends import cpu_blas
+from rlhflab.backends import cpu_blas, weight_cast
 
 # transformers classes whose forward is exactly the Llama RMSNorm / SwiGLU MLP (checked
 # against transformers 5.24); any other class is left alone rather than guessed at.
@@ -107,23 +107,27 @@ class _SwiGLUDownFn(torch.autograd.Function):
     forward would run them."""
 
     @staticmethod
-    def forward(ctx, gate, up, weight, bias, numpy_blas: bool = False):
-        ctx.save_for_backward(gate, up, weight)
+    def forward(ctx, gate, up, weight, bias, numpy_blas: bool = False, low=None):
+        # low: the weight's kept 16-bit copy under autocast (backends/weight_cast.py), or None
+        ctx.save_for_backward(gate, up, weight, low)
         ctx.has_bias = bias is not None
         p = F.silu(gate) * up
         ctx.numpy_blas = numpy_blas and cpu_blas.takes_numpy_path(p, weight)
         if ctx.numpy_blas:
             return cpu_blas.numpy_linear(p, weight, bias)
-        return F.linear(p, weight, bias)
+        return F.linear(p, weight if low is None else low, bias)
 
     @staticmethod
     def backward(ctx, grad):
-        gate, up, weight = ctx.saved_tensors
+        gate, up, weight, low = ctx.saved_tensors
         mm = cpu_blas.numpy_mm if ctx.numpy_blas else torch.mm
         # under torch.autocast (model.compute_dtype) the forward's product ran in the
         # autocast dtype, which is the output's and so grad's: backward's products do too,
         # as autograd's would, and the weight's gradients come back in the weight's dtype
-        w = weight if weight.dtype == grad.dtype else weight.to(grad.dtype)
+        if low is not None and low.dtype == grad.dtype:
+            w = low
+        else:
+            w = weight if weight.dtype == grad.dtype else weight.to(grad.dtype)
         flat_grad = grad.reshape(-1, grad.shape[-1])
         grad_p = mm(flat_grad, w).view(*grad.shape[:-1], weight.shape[1])
         need_w = ctx.needs_input_grad[2]
@@ -134,7 +138,7 @@ class _SwiGLUDownFn(torch.autograd.Function):
             grad_w = mm(flat_grad.t(), p.reshape(-1, p.shape[-1])).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[3]:
             grad_b = flat_grad.sum(0).to(weight.dtype)
-        return grad_gate, grad_up, grad_w, grad_b, None
+        return grad_gate, grad_up, grad_w, grad_b, None, None
 
 
 def rms_norm_plain(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -155,7 +159,10 @@ def swiglu_mlp(x: torch.Tensor, gate_proj, up_proj, down_proj) -> torch.Tensor:
     gate, up = gate_proj(x), up_proj(x)
     if type(down_proj) in (nn.Linear, cpu_blas.NumpyBlasLinear):
         numpy_blas = type(down_proj) is cpu_blas.NumpyBlasLinear
-        return _SwiGLUDownFn.apply(gate, up, down_proj.weight, down_proj.bias, numpy_blas)
+        with torch.no_grad():  # the copy itself; its gradient is the Function's grad_w
+            low = weight_cast.low_weight(down_proj, gate)
+        weight = down_proj.weight
+        return _SwiGLUDownFn.apply(gate, up, weight, down_proj.bias, numpy_blas, low)
     return down_proj(_SwiGLUFn.apply(gate, up))
 
 

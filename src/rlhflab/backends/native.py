@@ -227,11 +227,12 @@ class NativeAttention(nn.Module):
 
 
 def set_cpu_attention_fp32(on: bool, models) -> int:
-    """``model.cpu_attention_fp32`` on every :class:`NativeAttention` of ``models`` (None
-    entries and other runtimes' models are skipped); returns how many were set."""
+    """``model.cpu_attention_fp32`` on every :class:`NativeAttention` of ``models``; None
+    entries, other runtimes' models and non-modules (a LoRA reference: the policy's own
+    modules, set as the policy's) are skipped. Returns how many were set."""
     n = 0
     for model in models:
-        for module in model.modules() if model is not None else ():
+        for module in model.modules() if isinstance(model, nn.Module) else ():
             if isinstance(module, NativeAttention):
                 module.fp32_on_cpu = bool(on)
                 n += 1

@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from rlhflab.backends import weight_cast
+
 
 class FusedAdamW:
     """AdamW with decoupled weight decay over parameter groups (dicts with ``params`` and
@@ -208,6 +210,9 @@ def _fused_update(group: dict, params, grads, avgs, sqs, steps, found_inf=None) 
         grad_scale=None,
         found_inf=found_inf,
     )
+    # the fused kernel writes the weights without bumping their version counters, by which
+    # a kept 16-bit copy (model.cast_cache) knows it is stale: drop the copies here
+    weight_cast.forget(params)
 
 
 def clip_grad_norms(models: dict[str, list[torch.Tensor]], max_norm: float | None) -> dict:

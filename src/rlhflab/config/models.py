@@ -132,6 +132,16 @@ class ModelConfig:
         "CPU device only.",
         choices=("torch", "numpy"),
     )
+    cast_cache: bool = setting(
+        True,
+        "With a 16-bit compute_dtype, each trained model keeps the 16-bit copies of its fp32 "
+        "Linear weights between forwards and remakes one only when the weight changed (an "
+        "optimiser step), where autocast casts every weight again in every forward "
+        "(sampling, values, each epoch, the monitor's probe). Same arithmetic bit for bit; "
+        "costs half the trained weights' bytes, held between forwards "
+        "(rlhflab/backends/weight_cast.py). Not under torch.distributed (FSDP re-gathers "
+        "weights into storage it cannot track). Ignored for fp32.",
+    )
     cpu_attention_fp32: bool = setting(
         True,
         "Native runtime on a CPU: when a model's q/k/v projections come out in 16 bits "

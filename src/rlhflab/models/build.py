@@ -13,6 +13,7 @@ from torch import nn
 from rlhflab.backends.cpu_blas import apply_cpu_matmul
 from rlhflab.backends.lean import make_activations_lean
 from rlhflab.backends.native import set_cpu_attention_fp32
+from rlhflab.backends.weight_cast import keep_weight_casts
 from rlhflab.config.models import ModelConfig
 from rlhflab.models.frozen import PRECISION_DTYPES
 from rlhflab.models.heads import critic_from_causal_lm
@@ -97,7 +98,8 @@ def prepare_trained(model: nn.Module, options: ModelConfig) -> nn.Module:
 def finish_models(options: ModelConfig, device, trained=(), frozen=()) -> None:
     """The options that apply once every model exists: the CPU matmul library (after
     quantisation and offloading, so only plain float Linear layers change), the native
-    runtime's CPU attention precision and activation checkpointing (trained models). Trained models are checked to hold fp32 weights; a
+    runtime's CPU attention precision, and activation checkpointing and the kept 16-bit
+    weight copies (``model.cast_cache``) of trained models. Trained models are checked to hold fp32 weights; a
     model.compute_dtype this device cannot run is refused here, before any training."""
     autocast_dtype(device, options.compute_dtype)
     trained = [m for m in trained if m is not None]
@@ -106,6 +108,8 @@ def finish_models(options: ModelConfig, device, trained=(), frozen=()) -> None:
     for model in trained:
         if options.gradient_checkpointing:
             enable_gradient_checkpointing(model)
+        if options.cast_cache and options.compute_dtype != "fp32":
+            keep_weight_casts(model)
 
 
 def to_trained(model: nn.Module, device, what: str) -> nn.Module:

@@ -1,0 +1,145 @@
+"""model.cast_cache: trained models keep their fp32 weights' 16-bit copies between forwards
+(backends/weight_cast.py) — autocast's arithmetic bit for bit, remade when a weight changes."""
+
+import pytest
+import torch
+from torch import nn
+
+from rlhflab import models as M
+from rlhflab.backends import weight_cast
+from rlhflab.backends.optim import FusedAdamW
+from rlhflab.config import load_config
+from rlhflab.models.build import finish_models, load_model, load_tokenizer_for, to_trained
+from rlhflab.trainers.ppo import PPOTrainer
+
+REWARD = {"functions": {"rlhflab.builtin.toy_rewards:vowel_reward": 1.0}}
+
+
+def nano(runtime, *overrides):
+    cfg = load_config(
+        base={"model": {"policy": "preset:nano", "runtime": runtime}, "reward": REWARD},
+        overrides=["model.compute_dtype=bf16", *overrides],
+    )
+    tok = load_tokenizer_for(cfg.model.policy, cfg.model)
+    torch.manual_seed(0)
+    model = load_model(cfg.model.policy, tok, cfg.model)
+    finish_models(cfg.model, "cpu", trained=(model,))
+    return to_trained(model, "cpu", "policy")
+
+
+def kept(model):
+    return [m for m in model.modules() if getattr(m, weight_cast.FLAG, False)]
+
+
+def batch():
+    ids = torch.randint(3, 400, (3, 10), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    return ids, mask
+
+
+def logits_and_grads(model):
+    ids, mask = batch()
+    model.zero_grad()
+    with M.compute_autocast("cpu", "bf16"):
+        logits = M.causal_forward(model, ids, mask).logits
+    logits.float().logsumexp(-1).mean().backward()
+    return logits.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("runtime", ["transformers", "native"])
+def test_kept_copies_give_autocast_s_logits_and_gradients_bit_for_bit(runtime):
+    on, off = nano(runtime), nano(runtime, "model.cast_cache=false")
+    assert kept(on) and not kept(off)
+    assert all(type(m) is nn.Linear for m in kept(on))  # the class is untouched
+    for _ in range(2):  # the second pass reads the kept copies
+        (lo, go), (lf, gf) = logits_and_grads(on), logits_and_grads(off)
+        assert lo.dtype == torch.bfloat16 and torch.equal(lo, lf)
+        assert all(a.dtype == torch.float32 and torch.equal(a, b) for a, b in zip(go, gf))
+
+
+def test_a_copy_is_reused_until_its_weight_changes():
+    layer = nn.Linear(8, 4)
+    weight_cast.keep_weight_casts(layer)
+    x = torch.randn(2, 8)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        layer(x)
+        first = weight_cast.kept_copy(layer.weight, torch.bfloat16)
+        again = weight_cast.kept_copy(layer.weight, torch.bfloat16)
+        assert again.data_ptr() == first.data_ptr()
+        layer.weight.add_(1.0)  # an optimiser step is an in-place update like this
+        fresh = weight_cast.kept_copy(layer.weight, torch.bfloat16)
+        assert fresh.data_ptr() != first.data_ptr()
+        assert torch.equal(fresh, layer.weight.to(torch.bfloat16))
+        assert torch.equal(layer(x), nn.functional.linear(x, layer.weight, layer.bias))
+    assert torch.equal(layer(x), nn.functional.linear(x, layer.weight, layer.bias))  # fp32
+
+
+@pytest.mark.parametrize("optimizer", [FusedAdamW, torch.optim.AdamW])
+def test_training_steps_match_autocast_s_after_every_update(optimizer):
+    """AdamW updates the weights in place between forwards: each forward after a step must
+    use the new weights (a stale copy would make the runs part at the second step). The
+    fused kernel rlhflab's AdamW runs does not bump the weights' versions: it drops the
+    copies itself."""
+    runs = []
+    for flag in ("true", "false"):
+        model = nano("native", f"model.cast_cache={flag}")
+        opt = optimizer(model.parameters(), lr=1e-2)
+        losses = []
+        for _ in range(3):
+            logits, _ = logits_and_grads(model)
+            opt.step()
+            losses.append(logits.float().logsumexp(-1).mean().item())
+        runs.append(losses)
+    assert runs[0] == runs[1] and runs[0][0] != runs[0][2]
+
+
+def test_fp32_compute_and_the_switch_off_keep_nothing():
+    cfg = load_config(base={"model": {"policy": "preset:nano"}, "reward": REWARD})
+    tok = load_tokenizer_for(cfg.model.policy, cfg.model)
+    model = load_model(cfg.model.policy, tok, cfg.model)
+    finish_models(cfg.model, "cpu", trained=(model,))
+    assert not kept(model)
+
+
+def test_nothing_is_kept_under_torch_distributed(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        assert weight_cast.keep_weight_casts(nn.Linear(4, 4)) == 0
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("layout", ["separate", "lora"])
+def test_a_bf16_ppo_run_keeps_the_trained_models_copies_and_trains_as_without(tmp_path, layout):
+    """Two iterations of 2 epochs × 2 minibatches (AdamW steps between forwards, sampling
+    after them): the same weights to the last bit with and without the kept copies; with
+    LoRA the frozen base's copies serve policy and reference (the adapter-disabled base)."""
+    extra = ["model.value_model=separate"] if layout == "separate" else ["model.lora_r=4"]
+    trainers = []
+    for flag in ("true", "false"):
+        cfg = load_config(
+            base={
+                "device": "cpu",
+                "model": {"policy": "preset:nano"},
+                "reward": REWARD,
+                "rollout": {"prompts_per_iteration": 4, "max_new_tokens": 4},
+                "ppo": {"iterations": 2, "epochs": 2, "minibatches": 2},
+                "log": {"output_dir": str(tmp_path / flag), "progress": False},
+            },
+            overrides=["model.compute_dtype=bf16", f"model.cast_cache={flag}", *extra],
+        )
+        trainer = PPOTrainer(cfg)
+        trainer.step()
+        trainer.step()
+        trainers.append(trainer)
+    on, off = (t.cast for t in trainers)
+    assert kept(on.policy) and not kept(off.policy)
+    pairs = [(on.policy, off.policy)]
+    if layout == "separate":
+        assert kept(on.critic) and not kept(on.reference)
+        pairs.append((on.critic, off.critic))
+    for a, b in pairs:
+        assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
