@@ -138,3 +138,17 @@ def test_step_in_backward_refuses_what_needs_every_gradient_first(tmp_path):
             "ppo.max_grad_norm=null",
             "ppo.micro_batch_size=2",
         )
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_sampling_log_probs_under_bf16_are_said_to_start_off_ratio_one(tmp_path, dtype, caplog):
+    PPOTrainer(
+        make_cfg(
+            tmp_path,
+            f"model.compute_dtype={dtype}",
+            "rollout.logprobs_from_sampling=true",
+            "ppo.iterations=1",
+        )
+    )
+    said = "rollout.logprobs_from_sampling with model.compute_dtype=bf16" in caplog.text
+    assert said == (dtype == "bf16")

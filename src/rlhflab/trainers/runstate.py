@@ -37,6 +37,17 @@ def wrap_for_parallel(cfg: Config, ctx, cast):
     that cannot work with several processes are refused first."""
     strategy = cfg.dist.strategy
     fsdp = ctx.enabled and strategy == "fsdp"
+    if cfg.rollout.logprobs_from_sampling and cfg.model.compute_dtype != "fp32":
+        # measured by benchmarks/bf16_speedup.py (docs/real-models.md, "Precision")
+        log.warning(
+            "rollout.logprobs_from_sampling with model.compute_dtype=%s: the old log-probs "
+            "come from the KV-cached sampling pass, whose 16-bit rounding differs from the "
+            "training forward's, so the first update's ratio is not 1 (up to 1.21 on "
+            "SmolLM2-135M in bf16, where this run clips at 1 + %.2g); turn it off for "
+            "ratios that start at 1",
+            cfg.model.compute_dtype,
+            cfg.ppo.clip_low if cfg.ppo.clip_high is None else cfg.ppo.clip_high,
+        )
     if ctx.enabled and cfg.ppo.step_in_backward:
         raise ConfigError(
             "ppo.step_in_backward: with several processes the gradients are averaged "
