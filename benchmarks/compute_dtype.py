@@ -17,7 +17,10 @@ fp16 runs with its loss scale (backends/loss_scale.py); the timing run reports w
 update overflowed.
 
 Also printed: the CPU model, and whether ``lscpu`` lists amx_bf16 / avx512_bf16 (bf16
-arithmetic in hardware; without it bf16 products are converted to fp32 and back).
+arithmetic in hardware; without it bf16 products are converted to fp32 and back). Each
+worker starts on the allocator the ``rlhflab`` command starts on (mimalloc where installed,
+rlhflab/backends/allocator.py), since 2026-12-07; the tables of docs/real-models.md from
+before ran on glibc's.
 
     .venv/bin/python benchmarks/compute_dtype.py [--policy preset:small | PATH] [--iterations 3] \
         [--dtypes fp32 bf16 fp16]
@@ -144,7 +147,13 @@ def run_worker(kind: str, policy: str, dtype: str, args) -> dict:
     cmd += ["--iterations", str(args.iterations), "--prompts", str(args.prompts)]
     cmd += ["--tokens", str(args.tokens), "--threads", str(args.threads)]
     cmd += ["--dtypes", *args.dtypes]
-    env = {**os.environ, "PYTHONPATH": str(HERE.parent / "src")}
+    from rlhflab.backends.allocator import environment
+
+    # the malloc the rlhflab command starts on (mimalloc where installed): on glibc the
+    # 16-bit casts' fresh temporaries page-fault, which costs bf16 more than fp32 (2026-12-07,
+    # AMX Xeon, under the torch profiler: SmolLM2's bf16 update 4.5 s on glibc, 2.0 on
+    # mimalloc; fp32's 2.1 on mimalloc)
+    env = environment("auto", {**os.environ, "PYTHONPATH": str(HERE.parent / "src")})
     res = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if res.returncode:
         sys.exit(f"worker {kind} {dtype} failed:\n{res.stderr[-3000:]}")
