@@ -30,11 +30,15 @@ def native_nano(*overrides, trained=True, precision="fp32"):
 
 @pytest.fixture
 def sdpa_dtypes(monkeypatch):
-    """The dtypes of q, k and v every SDPA call of this test received."""
+    """The dtypes SDPA computes in at every call of this test: those of q, k and v, or the
+    autocast dtype where CPU autocast is on (it lowers SDPA's inputs to it)."""
     seen, real = [], F.scaled_dot_product_attention
 
     def recording(q, k, v, **kw):
-        seen.append((q.dtype, k.dtype, v.dtype))
+        if torch.is_autocast_enabled("cpu"):
+            seen.append((torch.get_autocast_dtype("cpu"),) * 3)
+        else:
+            seen.append((q.dtype, k.dtype, v.dtype))
         return real(q, k, v, **kw)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", recording)

@@ -112,12 +112,21 @@ def test_nothing_is_kept_under_torch_distributed(tmp_path):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("layout", ["separate", "lora"])
+@pytest.mark.parametrize("layout", ["separate", "lora", "step_in_backward"])
 def test_a_bf16_ppo_run_keeps_the_trained_models_copies_and_trains_as_without(tmp_path, layout):
     """Two iterations of 2 epochs × 2 minibatches (AdamW steps between forwards, sampling
     after them): the same weights to the last bit with and without the kept copies; with
     LoRA the frozen base's copies serve policy and reference (the adapter-disabled base)."""
-    extra = ["model.value_model=separate"] if layout == "separate" else ["model.lora_r=4"]
+    extra = {
+        "separate": ["model.value_model=separate"],
+        "lora": ["model.lora_r=4"],
+        # AdamW inside the backward: a weight changes while others' copies are still in use
+        "step_in_backward": [
+            "model.value_model=separate",
+            "ppo.step_in_backward=true",
+            "ppo.max_grad_norm=null",
+        ],
+    }[layout]
     trainers = []
     for flag in ("true", "false"):
         cfg = load_config(
@@ -138,8 +147,31 @@ def test_a_bf16_ppo_run_keeps_the_trained_models_copies_and_trains_as_without(tm
     on, off = (t.cast for t in trainers)
     assert kept(on.policy) and not kept(off.policy)
     pairs = [(on.policy, off.policy)]
-    if layout == "separate":
+    if layout == "lora":  # the frozen base is cast per forward, not held twice
+        base = [p for n, p in on.policy.named_parameters() if "base_layer" in n]
+        assert base and not any(weight_cast.COPY in p.__dict__ for p in base)
+        assert weight_cast.kept_weights(on.policy)  # the adapters' copies
+    else:
         assert kept(on.critic) and not kept(on.reference)
         pairs.append((on.critic, off.critic))
     for a, b in pairs:
         assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+
+
+def test_forwards_reuse_the_copies_and_the_memory_report_counts_them():
+    from rlhflab.diagnostics.memory import cast_memory
+
+    model = nano("native")
+    weights = weight_cast.kept_weights(model)
+    assert weights and all(w.requires_grad for w in weights)
+    logits_and_grads(model)
+    first = [w.__dict__[weight_cast.COPY][1] for w in weights]
+    logits_and_grads(model)  # no update in between: the same tensors serve again
+    assert all(w.__dict__[weight_cast.COPY][1] is c for w, c in zip(weights, first))
+
+    class Cast:
+        def models(self):
+            return {"policy": model}
+
+    (row,) = cast_memory(Cast())
+    assert row.kept_casts == 2 * sum(w.numel() for w in weights) > 0

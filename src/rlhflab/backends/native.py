@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rlhflab.backends.kv_cache import KVCache
 from rlhflab.backends.lean import rms_norm_plain
 from rlhflab.backends.native_config import NativeConfig
 
@@ -102,65 +103,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return _rotate(x, cos, sin)
 
 
-class KVCache:
-    """Keys and values (B, kv_heads, T, head_dim) per layer, written into buffers that
-    double in length when full; attention reads the filled part as a view.
-
-    Growing by ``torch.cat`` every step copies the whole cache each step (O(T²) bytes per
-    answer: 0.22 s of a 1.75 s sampling pass at 25M, 16 × 64 tokens, on the Intel Xeon VM);
-    doubling copies it O(log T) times. (Buffers sized once for prompt + answer were tried
-    on the AMD EPYC VM earlier and were no faster there, 360-400 vs 415 tokens/s.)
-    """
-
-    def __init__(self):
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
-        self.lengths: list[int] = []
-
-    def get_seq_length(self) -> int:
-        return self.lengths[0] if self.lengths else 0
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        """Append this step's k, v (B, kv_heads, t, head_dim); return all so far."""
-        if layer == len(self.keys):
-            self.keys.append(k)
-            self.values.append(v)
-            self.lengths.append(k.shape[2])
-            return k, v
-        start = self.lengths[layer]
-        end = start + k.shape[2]
-        if end > self.keys[layer].shape[2]:
-            capacity = max(end, 2 * self.keys[layer].shape[2])
-            self.keys[layer] = _grown(self.keys[layer], start, capacity)
-            self.values[layer] = _grown(self.values[layer], start, capacity)
-        self.keys[layer][:, :, start:end] = k
-        self.values[layer][:, :, start:end] = v
-        self.lengths[layer] = end
-        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
-
-    def batch_repeat_interleave(self, n: int) -> None:
-        """Row i becomes rows i·n … i·n+n−1 (one prompt, n continuations)."""
-        self.keys = [k.repeat_interleave(n, 0) for k in self.keys]
-        self.values = [v.repeat_interleave(n, 0) for v in self.values]
-
-    def rows(self, rows: torch.Tensor, length: int) -> KVCache:
-        """A new cache holding rows ``rows`` (int64) and the first ``length`` positions of
-        this one, copied (the opener probe keeps a rollout's prompts this way)."""
-        out = KVCache()
-        out.keys = [k[rows, :, :length] for k in self.keys]
-        out.values = [v[rows, :, :length] for v in self.values]
-        out.lengths = [length] * len(self.keys)
-        return out
-
-
-def _grown(buffer: torch.Tensor, filled: int, capacity: int) -> torch.Tensor:
-    """A (B, heads, capacity, d) buffer holding ``buffer``'s first ``filled`` positions."""
-    B, H, _, D = buffer.shape
-    out = buffer.new_empty(B, H, capacity, D)
-    out[:, :, :filled] = buffer[:, :, :filled]
-    return out
-
-
 _HALF = (torch.bfloat16, torch.float16)
 
 
@@ -205,7 +147,8 @@ class NativeAttention(nn.Module):
         wide = self.fp32_on_cpu and q.device.type == "cpu" and narrow in _HALF
         if wide:  # see the class docstring: rotary, cache and attention in fp32
             q, k, v = q.float(), k.float(), v.float()
-            cos, sin = cos.float(), sin.float()
+        else:  # the angles in the hidden states' dtype, as transformers' Llama takes them
+            cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         q = apply_rotary(q, cos[:, :, L - Lq :], sin[:, :, L - Lq :])
         k = apply_rotary(k, cos, sin)
@@ -398,7 +341,7 @@ class NativeLlamaModel(nn.Module):
         # (transformers repeats the angles to head_dim: cat((freqs, freqs)); apply_rotary
         # takes the half it repeats)
         freqs = position_ids[..., None].float() * self.inv_freq.float()
-        cos, sin = freqs.cos().to(h.dtype), freqs.sin().to(h.dtype)
+        cos, sin = freqs.cos(), freqs.sin()  # each attention takes them in its dtype
         mask = attention_mask_4d(attention_mask, L)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):

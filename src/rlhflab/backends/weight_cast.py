@@ -4,23 +4,26 @@ Why: under ``torch.autocast`` (``model.compute_dtype`` bf16/fp16) every Linear l
 its fp32 weight to 16 bits in every forward; autocast's own cache lasts one autocast
 context, so PPO casts each trained weight again for sampling, for the critic's values,
 for every epoch's forward and for the opener probe, although the weights change only at an
-optimiser step. On SmolLM2-135M (an AMX Xeon, bf16) those casts were ~0.4 s of a 5.3 s
-iteration, the tied 49152 × 576 output embedding alone 38 ms a cast
-(docs/real-models.md, "Precision"). Here each fp32 weight's 16-bit copy is made once and
-reused until the weight changes: its ``_version`` (bumped by in-place updates such as
-``load_state_dict``'s copy on a resume) or its storage differs from the copy's, or the
-optimiser dropped the copy (:func:`forget`: torch's fused AdamW kernel writes weights
-without bumping their versions).
+optimiser step. On SmolLM2-135M (an AMX Xeon, bf16, the PPO work of
+``benchmarks/bf16_speedup.py``) those casts were ~0.5 s of a profiled iteration, the tied
+49152 × 576 output embedding 38-61 ms a cast; keeping them took the iteration from 4.75 to
+4.62 s in an A/B (docs/real-models.md, "Precision"). Here each fp32 weight's 16-bit copy
+is made once and reused until the weight changes: its ``_version`` (bumped by in-place
+updates such as ``load_state_dict``'s copy on a resume) or its storage differs from the
+copy's, or the optimiser dropped the copy (:func:`forget`: torch's fused AdamW kernel
+writes weights without bumping their versions).
 
 The arithmetic is autocast's, bit for bit: the copy is ``weight.to(dtype)``, the same
 rounding autocast applies, and the gradient flows back to the fp32 weight as autocast's
 cast sends it (the 16-bit gradient converted to fp32). The price: the copies stay in
 memory between forwards — half the trained fp32 weights' bytes, which autocast also holds
-while a forward's graph is alive.
+while a training forward's graph is alive, so the training phase's peak does not grow;
+sampling's and scoring's do (``rlhflab memory`` counts them with the weights).
 
-Only ``nn.Linear`` layers whose weight is fp32 take part, through an instance-level
-``forward`` (the class stays ``nn.Linear``, so quantisation, LoRA and the lean MLP still
-recognise it; module hooks still run). Not under ``torch.distributed``: FSDP re-gathers
+Only ``nn.Linear`` layers whose weight is fp32 and trains take part (a frozen LoRA base is
+cast per forward, as autocast casts it, not held twice on runs that chose LoRA for
+memory), through an instance-level ``forward`` (the class stays ``nn.Linear``, so
+quantisation, LoRA and the lean MLP still recognise it; module hooks still run). Not under ``torch.distributed``: FSDP re-gathers
 unsharded weights into storage this cannot track.
 """
 
@@ -58,6 +61,8 @@ def autocast_dtype_of(x: torch.Tensor) -> torch.dtype | None:
 
 def kept_copy(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The 16-bit copy of fp32 ``weight``, remade only when the weight changed."""
+    if torch.is_inference_mode_enabled():  # an inference tensor could never serve a backward
+        return weight.detach().to(dtype)
     stamp = (weight._version, weight.data_ptr(), dtype)
     entry = getattr(weight, COPY, None)
     if entry is None or entry[0] != stamp:
@@ -82,7 +87,7 @@ def forget(weights) -> None:
 def low_weight(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     """The kept copy of ``layer.weight`` for a product with ``x`` under autocast, or None
     where autocast would not cast it (autocast off, a 16-bit weight, no keeping)."""
-    if not getattr(layer, FLAG, False) or layer.weight.dtype != torch.float32:
+    if not getattr(layer, FLAG, False) or not _keeps(layer.weight):
         return None
     dtype = autocast_dtype_of(x)
     return None if dtype is None else kept_copy(layer.weight, dtype)
@@ -93,6 +98,30 @@ def cached_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     casts ``x`` and the bias as it would)."""
     low = low_weight(self, x)
     return F.linear(x, self.weight if low is None else low, self.bias)
+
+
+def kept_weights(model: nn.Module) -> list[torch.Tensor]:
+    """The weights of ``model`` that keep a copy under a 16-bit compute dtype (each once:
+    a tied weight is one tensor)."""
+    seen: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        w = getattr(module, "weight", None)
+        if getattr(module, FLAG, False) and _keeps(w):
+            seen.setdefault(id(w), w)
+    return list(seen.values())
+
+
+def make_copies(model: nn.Module, dtype: torch.dtype) -> int:
+    """Make every kept copy of ``model`` now (``rlhflab memory`` measures the phases
+    after them); returns their bytes."""
+    with torch.no_grad():
+        return sum(kept_copy(w, dtype).nbytes for w in kept_weights(model))
+
+
+def _keeps(weight) -> bool:
+    # weights that train only: a frozen one (a LoRA base) is cast per forward, as autocast
+    # does, rather than held twice on the runs that chose LoRA to save memory
+    return weight is not None and weight.dtype == torch.float32 and weight.requires_grad
 
 
 def keep_weight_casts(model: nn.Module) -> int:

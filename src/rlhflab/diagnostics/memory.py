@@ -8,12 +8,14 @@ from dataclasses import dataclass
 
 import torch
 
+from rlhflab.backends import weight_cast
 from rlhflab.core import algorithms as A
 from rlhflab.diagnostics.tensor_bytes import forward_backward_bytes, held_by
 from rlhflab.experience.opener import PromptCaches, opener_logprobs, prompt_prefixes
 from rlhflab.experience.rollout import answer_values, policy_outputs
 from rlhflab.experience.sampling import cache_kwarg
 from rlhflab.models import causal_forward, module_bytes
+from rlhflab.models.precision import autocast_dtype
 
 
 def peak_rss_bytes() -> int:
@@ -42,10 +44,12 @@ class ModelMemory:
     trainable: int  # bytes of the weights that get gradients
     gradients: int  # = trainable bytes
     optimizer: int  # AdamW keeps two moments per trainable weight
+    # the 16-bit copies of trained weights kept between forwards (model.cast_cache)
+    kept_casts: int = 0
 
     @property
     def total(self) -> int:
-        return self.weights + self.gradients + self.optimizer
+        return self.weights + self.kept_casts + self.gradients + self.optimizer
 
 
 def _trainable_bytes(model) -> int:
@@ -61,24 +65,31 @@ def cast_memory(cast) -> list[ModelMemory]:
     for name, model in cast.models().items():
         weights = module_bytes(model) if hasattr(model, "state_dict") else 0
         trainable = _trainable_bytes(model)
-        rows.append(ModelMemory(name, weights, trainable, trainable, 2 * trainable))
+        kept = 0
+        if isinstance(model, torch.nn.Module):  # 16-bit copies: 2 bytes an element
+            kept = 2 * sum(w.numel() for w in weight_cast.kept_weights(model))
+        rows.append(ModelMemory(name, weights, trainable, trainable, 2 * trainable, kept))
     return rows
 
 
 def format_table(rows: list[ModelMemory], peak: int | None = None) -> str:
     mib = 1024 * 1024
-    lines = [f"{'model':<10} {'weights':>10} {'grads':>10} {'optimizer':>10} {'total':>10}  (MiB)"]
-    for r in rows:
+    kept = any(r.kept_casts for r in rows)  # a column only where a model keeps copies
+    names = ["weights", *(["16-bit"] if kept else []), "grads", "optimizer", "total"]
+    lines = [f"{'model':<10} " + " ".join(f"{n:>10}" for n in names) + "  (MiB)"]
+
+    def cells(name, parts) -> str:
+        return f"{name:<10} " + " ".join(f"{b / mib:>10.2f}" for b in parts)
+
+    def parts(r) -> list[int]:
+        return [r.weights, *([r.kept_casts] if kept else []), r.gradients, r.optimizer, r.total]
+
+    lines += [cells(r.name, parts(r)) for r in rows]
+    lines.append(cells("total", [sum(col) for col in zip(*(parts(r) for r in rows))]))
+    if kept:
         lines.append(
-            f"{r.name:<10} {r.weights / mib:>10.2f} {r.gradients / mib:>10.2f} "
-            f"{r.optimizer / mib:>10.2f} {r.total / mib:>10.2f}"
+            "16-bit: the copies of trained weights kept between forwards (model.cast_cache)"
         )
-    total = sum(r.total for r in rows)
-    lines.append(
-        f"{'total':<10} {sum(r.weights for r in rows) / mib:>10.2f} "
-        f"{sum(r.gradients for r in rows) / mib:>10.2f} "
-        f"{sum(r.optimizer for r in rows) / mib:>10.2f} {total / mib:>10.2f}"
-    )
     if peak is not None:
         lines.append(f"measured peak resident memory while building: {peak / mib:.1f} MiB")
     return "\n".join(lines)
@@ -157,6 +168,11 @@ def iteration_memory(cast, cfg) -> list[PhaseMemory]:
     The measured forwards run on random token ids of those shapes; nothing is updated.
     """
     r, p, ac = cfg.rollout, cfg.ppo, cast.autocast
+    dtype = autocast_dtype(cast.device, cfg.model.compute_dtype)
+    if dtype is not None:  # the kept copies exist before any phase (cast_memory counts them)
+        for model in cast.models().values():
+            if isinstance(model, torch.nn.Module):
+                weight_cast.make_copies(model, dtype)
     lm_cfg, itemsize = _lm_config(cast.policy), _itemsize(cast.policy)
     P, T, n = r.max_prompt_tokens, r.max_new_tokens, r.prompts_per_iteration
     kv_heads = getattr(lm_cfg, "num_key_value_heads", None) or lm_cfg.num_attention_heads
@@ -309,9 +325,9 @@ def _kept_per_prompt(cast, prompts: torch.Tensor) -> list[tuple[str, int]]:
 
 def estimated_peak(models: list[ModelMemory], phases: list[PhaseMemory]) -> tuple[int, str]:
     """The iteration's peak of tensors and the phase it falls in: weights and AdamW moments
-    always, the gradients of the models that have them in a phase, plus the phase's own
-    bytes."""
-    always = sum(m.weights + m.optimizer for m in models)
+    always (and kept 16-bit weight copies), the gradients of the models that have them in a
+    phase, plus the phase's own bytes."""
+    always = sum(m.weights + m.kept_casts + m.optimizer for m in models)
     grads = {m.name: m.gradients for m in models}
     peaks: dict[str, int] = {}
     with_grads: dict[str, set[str]] = {}
