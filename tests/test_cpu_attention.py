@@ -142,3 +142,11 @@ def test_the_ppo_config_sets_every_model_s_attention(tmp_path, on):
     row = trainer.step()
     first = trainer.first_minibatch
     assert abs(first["policy/ratio_mean"] - 1) < 1e-5, row
+
+
+@pytest.mark.parametrize("trained", [True, False])
+def test_every_loaded_model_takes_the_switch(trained):
+    """Frozen models loaded outside a training command (eval, compare) too."""
+    model = native_nano("model.cpu_attention_fp32=false", trained=trained, precision="bf16")
+    flags = {m.fp32_on_cpu for m in model.modules() if isinstance(m, NativeAttention)}
+    assert flags == {False}

@@ -56,7 +56,8 @@ def load_model(
     causal LM's backbone with a zero-initialised value head). A ``trained`` model holds fp32
     master weights whatever the folder's dtype and gets the lean activations; a frozen one is
     read in the float dtype of ``precision`` (int8 quantises an fp32 model later, in
-    :func:`rlhflab.models.frozen.set_precision`). Dropout is off in both (the loaders).
+    :func:`rlhflab.models.frozen.set_precision`). Dropout is off in both (the loaders); the
+    native runtime's attention takes ``model.cpu_attention_fp32``.
     ``trained_head_for`` names the setting of a finished reward model, whose ``score`` head
     must be in the weights. ``dtype`` overrides the frozen dtype (a reward model that a
     trained critic is copied from is read in fp32 and cast to ``precision`` afterwards).
@@ -83,6 +84,8 @@ def load_model(
             trained_head_for=trained_head_for,
             **common,
         )
+    # every model a command loads, trained or frozen (eval, compare, demo included)
+    set_cpu_attention_fp32(options.cpu_attention_fp32, [model])
     return prepare_trained(model, options) if trained else model
 
 
@@ -97,14 +100,13 @@ def prepare_trained(model: nn.Module, options: ModelConfig) -> nn.Module:
 
 def finish_models(options: ModelConfig, device, trained=(), frozen=()) -> None:
     """The options that apply once every model exists: the CPU matmul library (after
-    quantisation and offloading, so only plain float Linear layers change), the native
-    runtime's CPU attention precision, and activation checkpointing and the kept 16-bit
-    weight copies (``model.cast_cache``) of trained models. Trained models are checked to hold fp32 weights; a
+    quantisation and offloading, so only plain float Linear layers change), and activation
+    checkpointing and the kept 16-bit weight copies (``model.cast_cache``) of trained
+    models. Trained models are checked to hold fp32 weights; a
     model.compute_dtype this device cannot run is refused here, before any training."""
     autocast_dtype(device, options.compute_dtype)
     trained = [m for m in trained if m is not None]
     apply_cpu_matmul(options.cpu_matmul, device, [*trained, *frozen])
-    set_cpu_attention_fp32(options.cpu_attention_fp32, [*trained, *frozen])
     for model in trained:
         if options.gradient_checkpointing:
             enable_gradient_checkpointing(model)
