@@ -111,15 +111,15 @@ class NativeAttention(nn.Module):
     kv_heads < heads), o projection.
 
     ``fp32_on_cpu`` (``model.cpu_attention_fp32``, set per model by
-    ``models.build.finish_models``): when the projections come out in 16 bits on a CPU
+    ``models.build.load_model``): when the projections come out in 16 bits on a CPU
     (``model.compute_dtype`` bf16/fp16, or a frozen model held in bf16/fp16), the rotary
-    embedding, the KV cache and SDPA run in fp32 between them. torch 2.13's CPU flash
-    attention is several times slower in bf16 than in fp32 — its backward ~4x at
-    SmolLM2-135M's (8, 9, 68, 64) on an AMX Xeon, 0.72 of a 6.2 s PPO iteration
-    (docs/real-models.md, "Precision") — while the attention's own products are a
-    small part of the work. It is also how transformers' Llama computes the rotary
-    embedding under autocast (16-bit q times fp32 cos: fp32), rounded once instead of
-    after each multiply. The output is cast back for o_proj (autocast would cast it)."""
+    embedding (on fp32 angles), the KV cache and SDPA run in fp32 between them. torch
+    2.13's CPU flash attention is several times slower in bf16 than in fp32 — its backward
+    5.9 against 1.5 ms a call at SmolLM2-135M's (8, 9, 68, 64) on an AMX Xeon, 0.72 s of a
+    6.2 s PPO iteration (docs/real-models.md, "Precision") — while the attention's own
+    products are a small part of the work. It is also how transformers' Llama computes the
+    rotary embedding under autocast (16-bit q times fp32 cos: fp32), rounded once instead
+    of after each multiply. The output is cast back for o_proj (autocast would cast it)."""
 
     fp32_on_cpu = True
 
