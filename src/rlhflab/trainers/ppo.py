@@ -52,6 +52,7 @@ from rlhflab.trainers.runstate import (
     CastCheckpoints,
     ppo_state,
     restore_ppo_state,
+    warn_about_settings,
     wrap_for_parallel,
 )
 
@@ -88,6 +89,7 @@ class PPOTrainer:
         self.cast = cast or build_cast(cfg, device, tokenizer, rewards)
         self.device = self.cast.device
         self.fsdp = self.ctx.enabled and cfg.dist.strategy == "fsdp"
+        warn_about_settings(cfg)
         self.train_policy, self.train_critic = wrap_for_parallel(cfg, self.ctx, self.cast)
         # under FSDP every rank must run the same number of forward passes while sampling
         self.all_done = self.ctx.all_true if self.fsdp else None

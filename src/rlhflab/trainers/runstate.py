@@ -31,12 +31,8 @@ from rlhflab.trainers.ppo_refresh import plain_module, refreshed_models
 log = logging.getLogger(__name__)
 
 
-def wrap_for_parallel(cfg: Config, ctx, cast):
-    """Wrap (DDP) or shard (FSDP2) the trained models of ``cast`` before their optimisers
-    exist; returns (policy, critic or None) as the training forward calls them. Settings
-    that cannot work with several processes are refused first."""
-    strategy = cfg.dist.strategy
-    fsdp = ctx.enabled and strategy == "fsdp"
+def warn_about_settings(cfg: Config) -> None:
+    """Say which settings work but give a run other than the one their user may expect."""
     if cfg.rollout.logprobs_from_sampling and cfg.model.compute_dtype != "fp32":
         # measured by benchmarks/bf16_speedup.py (docs/real-models.md, "Precision")
         log.warning(
@@ -48,6 +44,14 @@ def wrap_for_parallel(cfg: Config, ctx, cast):
             cfg.model.compute_dtype,
             cfg.ppo.clip_low if cfg.ppo.clip_high is None else cfg.ppo.clip_high,
         )
+
+
+def wrap_for_parallel(cfg: Config, ctx, cast):
+    """Wrap (DDP) or shard (FSDP2) the trained models of ``cast`` before their optimisers
+    exist; returns (policy, critic or None) as the training forward calls them. Settings
+    that cannot work with several processes are refused first."""
+    strategy = cfg.dist.strategy
+    fsdp = ctx.enabled and strategy == "fsdp"
     if ctx.enabled and cfg.ppo.step_in_backward:
         raise ConfigError(
             "ppo.step_in_backward: with several processes the gradients are averaged "
