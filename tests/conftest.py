@@ -4,6 +4,7 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 torch.set_num_threads(2)
 
@@ -36,3 +37,20 @@ def foreign_rm(tmp_path_factory):
     return build_preset(
         "nano", tmp_path_factory.mktemp("rm-foreign"), seed=2, heads=["score"], corpus=corpus
     )
+
+
+@pytest.fixture
+def sdpa_dtypes(monkeypatch):
+    """The dtypes SDPA computes in at every call of this test: those of q, k and v, or the
+    autocast dtype where CPU autocast is on (it lowers SDPA's inputs to it)."""
+    seen, real = [], F.scaled_dot_product_attention
+
+    def recording(q, k, v, **kw):
+        if torch.is_autocast_enabled("cpu"):
+            seen.append((torch.get_autocast_dtype("cpu"),) * 3)
+        else:
+            seen.append((q.dtype, k.dtype, v.dtype))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    return seen

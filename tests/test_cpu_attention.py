@@ -3,7 +3,6 @@ fp32 on the CPU when the projections come out in 16 bits (backends/native.py).""
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from rlhflab import models as M
 from rlhflab.backends.native import NativeAttention, set_cpu_attention_fp32
@@ -26,23 +25,6 @@ def native_nano(*overrides, trained=True, precision="fp32"):
         return to_trained(model, "cpu", "policy").eval()
     finish_models(cfg.model, "cpu", frozen=(model,))
     return model.eval()
-
-
-@pytest.fixture
-def sdpa_dtypes(monkeypatch):
-    """The dtypes SDPA computes in at every call of this test: those of q, k and v, or the
-    autocast dtype where CPU autocast is on (it lowers SDPA's inputs to it)."""
-    seen, real = [], F.scaled_dot_product_attention
-
-    def recording(q, k, v, **kw):
-        if torch.is_autocast_enabled("cpu"):
-            seen.append((torch.get_autocast_dtype("cpu"),) * 3)
-        else:
-            seen.append((q.dtype, k.dtype, v.dtype))
-        return real(q, k, v, **kw)
-
-    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
-    return seen
 
 
 def batch():

@@ -138,22 +138,26 @@ class ModelConfig:
         "With a 16-bit compute_dtype, each trained model keeps the 16-bit copies of its fp32 "
         "Linear weights between forwards and remakes one only when the weight changed (an "
         "optimiser step), where autocast casts every weight again in every forward "
-        "(sampling, values, each epoch, the monitor's probe). Same arithmetic bit for bit; "
-        "costs half the trained weights' bytes, held between forwards "
+        "(sampling, values, each epoch, the monitor's probe) and a frozen one (a LoRA "
+        "policy's base, shared with its reference) at every call, each decoding step's "
+        "included. Same arithmetic bit for bit; costs half those weights' fp32 bytes, held "
+        "between forwards, which a training forward's graph holds anyway while it lives "
         "(rlhflab/backends/weight_cast.py). Not under torch.distributed (FSDP re-gathers "
         "weights into storage it cannot track). Ignored for fp32.",
     )
     cpu_attention_fp32: bool = setting(
         True,
-        "Native runtime on a CPU: when a model's q/k/v projections come out in 16 bits "
-        "(compute_dtype bf16/fp16, or a frozen model held in bf16/fp16), its rotary "
-        "embedding, KV cache and attention run in fp32 between the projections. torch "
-        "2.13's CPU attention is several times slower in bf16 than in fp32 (the backward "
-        "~4x at SmolLM2-135M's shapes on an AMX Xeon: a tenth of a bf16 PPO iteration), "
-        "while attention's products are a small share of the work; fp32 rotary is also "
-        "what transformers' Llama computes under autocast. Off: attention in the "
-        "projections' dtype, as on a GPU, where this never applies "
-        "(docs/real-models.md, 'Precision').",
+        "On a CPU, when a model's q/k/v projections come out in 16 bits (compute_dtype "
+        "bf16/fp16, or a frozen model held in bf16/fp16), its attention runs in fp32 "
+        "between the projections: on the native runtime the rotary embedding, KV cache and "
+        "SDPA; on the transformers runtime SDPA (a model loaded with transformers' 'sdpa' "
+        "attention gets rlhflab's fp32 version of it, registered with transformers' "
+        "AttentionInterface; nothing of it is saved in an exported config). torch 2.13's "
+        "CPU attention is several times slower in bf16 than in fp32 (the backward ~4x at "
+        "SmolLM2-135M's shapes on an AMX Xeon: a tenth of a bf16 PPO iteration), while "
+        "attention's products are a small share of the work; fp32 rotary is also what "
+        "transformers' Llama computes under autocast. Off: attention in the projections' "
+        "dtype, as on a GPU, where this never applies (docs/real-models.md, 'Precision').",
     )
     lora_r: int = setting(
         0,

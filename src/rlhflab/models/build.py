@@ -17,6 +17,7 @@ from rlhflab.backends.weight_cast import keep_weight_casts
 from rlhflab.config.models import ModelConfig
 from rlhflab.models.frozen import PRECISION_DTYPES
 from rlhflab.models.heads import critic_from_causal_lm
+from rlhflab.models.hf_attention import set_transformers_cpu_attention_fp32
 from rlhflab.models.loading import (
     enable_gradient_checkpointing,
     load_causal_lm,
@@ -57,7 +58,8 @@ def load_model(
     master weights whatever the folder's dtype and gets the lean activations; a frozen one is
     read in the float dtype of ``precision`` (int8 quantises an fp32 model later, in
     :func:`rlhflab.models.frozen.set_precision`). Dropout is off in both (the loaders); the
-    native runtime's attention takes ``model.cpu_attention_fp32``.
+    attention takes ``model.cpu_attention_fp32`` (native runtime, or a transformers model
+    loaded with SDPA).
     ``trained_head_for`` names the setting of a finished reward model, whose ``score`` head
     must be in the weights. ``dtype`` overrides the frozen dtype (a reward model that a
     trained critic is copied from is read in fp32 and cast to ``precision`` afterwards).
@@ -86,6 +88,7 @@ def load_model(
         )
     # every model a command loads, trained or frozen (eval, compare, demo included)
     set_cpu_attention_fp32(options.cpu_attention_fp32, [model])
+    set_transformers_cpu_attention_fp32(options.cpu_attention_fp32, [model])
     return prepare_trained(model, options) if trained else model
 
 
