@@ -147,10 +147,11 @@ def test_a_bf16_ppo_run_keeps_the_trained_models_copies_and_trains_as_without(tm
     on, off = (t.cast for t in trainers)
     assert kept(on.policy) and not kept(off.policy)
     pairs = [(on.policy, off.policy)]
-    if layout == "lora":  # the frozen base is cast per forward, not held twice
-        base = [p for n, p in on.policy.named_parameters() if "base_layer" in n]
-        assert base and not any(weight_cast.COPY in p.__dict__ for p in base)
-        assert weight_cast.kept_weights(on.policy)  # the adapters' copies
+    if layout == "lora":  # the frozen base keeps its copies too: the reference reads them
+        base = [p for n, p in on.policy.named_parameters() if "base_layer.weight" in n]
+        assert base and all(weight_cast.COPY in p.__dict__ for p in base)
+        assert not any(p.requires_grad for p in base)
+        assert any(p.requires_grad for p in weight_cast.kept_weights(on.policy))  # adapters
     else:
         assert kept(on.critic) and not kept(on.reference)
         pairs.append((on.critic, off.critic))

@@ -20,11 +20,16 @@ memory between forwards — half the trained fp32 weights' bytes, which autocast
 while a training forward's graph is alive, so the training phase's peak does not grow;
 sampling's and scoring's do (``rlhflab memory`` counts them with the weights).
 
-Only ``nn.Linear`` layers whose weight is fp32 and trains take part (a frozen LoRA base is
-cast per forward, as autocast casts it, not held twice on runs that chose LoRA for
-memory), through an instance-level ``forward`` (the class stays ``nn.Linear``, so
-quantisation, LoRA and the lean MLP still recognise it; module hooks still run). Not under ``torch.distributed``: FSDP re-gathers
-unsharded weights into storage this cannot track.
+Every ``nn.Linear`` layer of a trained model whose weight is fp32 takes part, through an
+instance-level ``forward`` (the class stays ``nn.Linear``, so quantisation, LoRA and the
+lean MLP still recognise it; module hooks still run). That includes a LoRA policy's frozen
+base, which the adapter-disabled reference shares: autocast's own cache keeps only the
+casts of weights that train, so without a kept copy every forward — each of a sampling
+pass's decoding steps — cast the whole frozen base again (SmolLM2-135M with LoRA and bf16
+compute: docs/benchmarks.md, "bf16 against fp32"). Its copies cost half the base's fp32
+bytes between forwards, which the training forward's graph holds anyway while it lives.
+Not under ``torch.distributed``: FSDP re-gathers unsharded weights into storage this cannot
+track.
 """
 
 from __future__ import annotations
@@ -119,9 +124,10 @@ def make_copies(model: nn.Module, dtype: torch.dtype) -> int:
 
 
 def _keeps(weight) -> bool:
-    # weights that train only: a frozen one (a LoRA base) is cast per forward, as autocast
-    # does, rather than held twice on the runs that chose LoRA to save memory
-    return weight is not None and weight.dtype == torch.float32 and weight.requires_grad
+    # trained and frozen alike: a frozen fp32 weight inside a trained model (a LoRA base)
+    # is what autocast casts most often, as its cache keeps only the casts of weights that
+    # train (every sampling step cast the whole base again)
+    return weight is not None and weight.dtype == torch.float32
 
 
 def keep_weight_casts(model: nn.Module) -> int:
