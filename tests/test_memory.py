@@ -202,3 +202,19 @@ def test_the_estimate_says_what_it_leaves_out(nano_rm, capsys):
     out = capsys.readouterr().out
     assert "not counted: reward.refresh_every=2 fine-tunes the reward model(s)" in out
     assert "reward.refresh_batch_size=" in out
+
+
+def test_the_models_table_needs_no_reward_setting(nano_rm, capsys):
+    """`rlhflab memory` printed only 'set reward.model, …' for a config without a reward: the
+    policy's, reference's and critic's bytes do not depend on it."""
+    from rlhflab.app.cli import main
+
+    assert main(["memory", "model.policy=preset:nano"]) == 0
+    out = capsys.readouterr().out
+    assert "reward: none set, so no reward model is counted" in out
+    rows = [line.split()[0] for line in out.splitlines() if line[:1].isalpha()]
+    assert {"policy", "reference", "critic"} <= set(rows) and "reward" not in rows
+    assert main(["memory", "model.policy=preset:nano", f"reward.model={nano_rm}"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split()[0] for line in out.splitlines() if line[:1].isalpha()]
+    assert "none set" not in out and "reward" in rows

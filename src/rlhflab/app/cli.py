@@ -119,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _no_reward(prompts, responses):
+    return [0.0] * len(responses)
+
+
 def cmd_memory(args) -> int:
     from rlhflab.config import load_config
     from rlhflab.diagnostics.memory import (
@@ -130,9 +134,14 @@ def cmd_memory(args) -> int:
         peak_rss_bytes,
     )
     from rlhflab.experience.cast import build_cast
+    from rlhflab.experience.rewards import CallableReward
 
-    cfg = load_config(args.config, args.overrides)
-    cast = build_cast(cfg)
+    cfg = load_config(args.config, args.overrides, reward_given=True)
+    rw, extra = cfg.reward, ()
+    if not (rw.model or rw.ensemble or rw.functions):  # the models' table needs none
+        print("reward: none set, so no reward model is counted (set reward.model to count one)")
+        extra = ((CallableReward(_no_reward, "no reward"), 1.0),)
+    cast = build_cast(cfg, extra_rewards=extra)
     rows = cast_memory(cast)
     print(format_table(rows, peak_rss_bytes()))
     print(format_iteration(iteration_memory(cast, cfg), rows))
