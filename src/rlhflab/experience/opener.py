@@ -127,7 +127,11 @@ def opener_logprobs(
     """
     sp = spellings(tokenizer, phrases, max_tokens).to(prompt_ids.device)
     same = distinct_rows(prompt_ids, prompt_mask)[1] if distinct else None
-    if sp.tokens.shape[0] and not takes_tree_mask(model, sp, temperature):
+    S = sp.tokens.shape[0]
+    if S and (
+        not within_window(model, prompt_ids.shape[1] + S)
+        or not takes_tree_mask(model, sp, temperature)
+    ):
         if isinstance(prefixes, list):
             prefixes.clear()  # the kept caches serve nothing here: freed now
         rows = distinct_rows(prompt_ids, prompt_mask)[0] if distinct else None
@@ -227,9 +231,38 @@ def _opener_by_forwards(model, sp: Spellings, ids, mask, temperature) -> torch.T
     return torch.logsumexp(torch.stack(per, 1), dim=1)
 
 
+def within_window(model, length: int) -> bool:
+    """Whether ``length`` positions stay within ``model``'s sliding attention window, if it
+    has one (Gemma 2 and 3, Mistral; Qwen2 where ``use_sliding_window``). Past it the
+    prompts' cache has dropped its oldest positions — transformers' sliding-window cache
+    keeps the last ``window`` only — so the spellings cannot be scored after it (PPO on
+    Gemma 2 crashed on a shape mismatch there): the probe then runs a forward per spelling
+    over prompt and spelling, which the model's own attention windows as it always does."""
+    config = getattr(getattr(model, "peft_model", model), "config", None)
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return True
+    types = getattr(config, "layer_types", None)
+    if types is not None and "sliding_attention" not in types:
+        return True
+    if length <= int(window):
+        return True
+    if ("window", type(model).__name__) not in _SAID:
+        _SAID.add(("window", type(model).__name__))
+        log.warning(
+            "monitor: prompts plus opener spellings (%d positions) exceed %s's sliding "
+            "attention window (%d); the flattery-opener probe runs one forward per phrase "
+            "spelling on it (same numbers, slower)",
+            length,
+            type(model).__name__,
+            int(window),
+        )
+    return False
+
+
 # model → whether the probe's tree-shaped mask gives its numbers (decided once per model)
 _TREE_MASK: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_SAID: set[str] = set()
+_SAID: set = set()
 
 
 def takes_tree_mask(model, sp: Spellings, temperature: float) -> bool:

@@ -242,9 +242,11 @@ def load_weights_into(model, folder: Path) -> None:
         raise FileNotFoundError(f"{folder}: no safetensors weights")
     targets = model.state_dict()  # tensors sharing the model's storage
     found, unexpected = set(), []
+    renamed = _renamed_on_save(model, folder, files, targets)
+    sources = [renamed.items()] if renamed is not None else map(iter_safetensors, files)
     with torch.no_grad():
-        for f in files:
-            for name, tensor in iter_safetensors(f):
+        for f, tensors in zip(files, sources):
+            for name, tensor in tensors:
                 target = targets.get(name)
                 if target is None:
                     unexpected.append(name)
@@ -256,13 +258,53 @@ def load_weights_into(model, folder: Path) -> None:
                     )
                 target.copy_(tensor)
                 found.add(name)
-    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
-    missing = sorted(set(targets) - found - tied)
+    missing = sorted(set(targets) - found - _tied(model))
     if unexpected or missing:
         raise CheckpointError(
             f"{folder}: weights do not match the model "
             f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
         )
+
+
+def _tied(model) -> set[str]:
+    return {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+
+
+def _renamed_on_save(model, folder: Path, files: list[Path], targets: dict) -> dict | None:
+    """The folder's weights under the model's own names, where they are saved under others:
+    transformers 5 renames some architectures' weights between memory and disk (GPT-NeoX's
+    ``lm_head`` is saved as ``embed_out``; Mixtral's and Qwen3-MoE's experts are fused in
+    memory and saved one by one), so a checkpoint's names missed the model's and its own
+    run could not resume. Such a folder is read back through transformers' loader, which
+    undoes its renames: the weights are held twice while they are copied, this once. None
+    where the names agree (the streaming path), or the model is not a transformers one."""
+    from safetensors import safe_open
+
+    saved: set[str] = set()
+    for f in files:
+        with safe_open(str(f), "pt") as fh:
+            saved.update(fh.keys())
+    if saved <= set(targets) and not set(targets) - saved - _tied(model):
+        return None
+    cls = next((c for c in type(model).__mro__ if c.__module__.startswith("transformers")), None)
+    if cls is None or not hasattr(cls, "from_pretrained"):
+        return None
+    from rlhflab.models.prepare import quiet_transformers
+
+    quiet_transformers()
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    try:
+        return cls.from_pretrained(folder, dtype=dtype).state_dict()
+    except (OSError, ValueError, RuntimeError) as exc:
+        log.warning("%s: transformers could not read it back either (%s)", folder, exc)
+        return None
+
+
+def read_weights_for(model, folder: Path) -> dict:
+    """:func:`read_weights` under ``model``'s own names (see :func:`_renamed_on_save`)."""
+    files = sorted(folder.glob("*.safetensors"))
+    renamed = _renamed_on_save(model, folder, files, model.state_dict()) if files else None
+    return renamed if renamed is not None else read_weights(folder)
 
 
 def load_checkpoint(path: Path, cast) -> dict:

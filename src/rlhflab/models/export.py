@@ -165,6 +165,21 @@ def _cast_adapter(folder: Path, dtype: torch.dtype) -> None:
     save_file(weights, str(path), metadata={"format": "pt"})
 
 
+def _saved_state(state: dict, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """Every tensor of ``state`` as :func:`_saved_tensor` saves it, tensors that share one
+    storage (a tied embedding and output head) still sharing one: cast one by one they came
+    apart, and ``save_pretrained``, which finds ties by storage, wrote the head as a second
+    copy of the embedding (the whole 49152 x 576 matrix again in a bf16 SmolLM2)."""
+    done: dict[tuple, torch.Tensor] = {}
+    out = {}
+    for key, t in state.items():
+        same = (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)
+        if same not in done:
+            done[same] = _saved_tensor(t, dtype)
+        out[key] = done[same]
+    return out
+
+
 def _saved_tensor(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     """On the CPU, floating-point tensors in ``dtype`` (integer buffers as they are)."""
     t = t.detach().to("cpu")
@@ -208,7 +223,7 @@ def save_policy(
         else:
             model = lm.get_base_model() if is_peft(lm) else lm
             state = merged_state_dict(lm) if is_peft(lm) else lm.state_dict()
-            state = {k: _saved_tensor(v, dtype) for k, v in state.items()}
+            state = _saved_state(state, dtype)
             model.save_pretrained(tmp, safe_serialization=True, state_dict=state)
             restore_dropout(tmp, model)
             _set_config_dtype(tmp, dtype or model.get_input_embeddings().weight.dtype)

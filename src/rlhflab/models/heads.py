@@ -25,7 +25,9 @@ class PolicyWithValueHead(nn.Module):
     def __init__(self, lm: nn.Module):
         super().__init__()
         self.lm = lm
-        hidden = lm.config.hidden_size
+        # as wide as what the output layer reads, which is not always config.hidden_size:
+        # OPT-350m projects its 1024-wide hidden states to 512 before the vocabulary head
+        hidden = lm.get_output_embeddings().weight.shape[1]
         self.value_head = nn.Linear(hidden, 1, dtype=lm.get_input_embeddings().weight.dtype)
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)

@@ -153,9 +153,20 @@ def load_tokenizer(
     return tok
 
 
-def _fit_vocab(model, tokenizer) -> None:
-    if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
-        model.resize_token_embeddings(len(tokenizer))
+def _fit_vocab(model, tokenizer, path=None) -> None:
+    """The tokenizer's ids must all have rows in the embedding. One with more tokens than
+    rows (the wrong tokenizer, or tokens added without resizing the model) was met with
+    fresh random rows, silently: a LoRA run's adapter then carried the whole grown
+    embedding and the base it names could not load it. Refused instead, with the fix."""
+    rows = model.get_input_embeddings().weight.shape[0]
+    if len(tokenizer) > rows:
+        raise ModelLoadError(
+            f"{path or 'the model'}: the tokenizer has {len(tokenizer)} tokens but the model's "
+            f"embedding only {rows} rows, so ids from {rows} on have no embedding (is it the "
+            "model's own tokenizer?). If tokens were added to it on purpose, give the model "
+            "rows for them first: model.resize_token_embeddings(len(tokenizer)), then "
+            "save_pretrained both into one folder"
+        )
     model.config.pad_token_id = tokenizer.pad_token_id
 
 
@@ -180,7 +191,7 @@ def _load_native(path, kind: str, tokenizer, **kwargs):
         raise ModelLoadError(str(exc)) from None
     # where it came from, as transformers' configs keep it (never saved: "_" fields are not)
     model.config._name_or_path = str(path)
-    _fit_vocab(model, tokenizer)
+    _fit_vocab(model, tokenizer, path)
     return disable_dropout(model)
 
 
@@ -208,8 +219,8 @@ def load_causal_lm(
     finally:
         hf_logging.set_verbosity(verbosity)
     _refuse_fresh_weights(model, info, path)
-    _fit_vocab(model, tokenizer)
-    contiguous_head_input(model)  # after _fit_vocab, which may replace the head
+    _fit_vocab(model, tokenizer, path)
+    contiguous_head_input(model)
     return disable_dropout(model)
 
 
@@ -310,7 +321,7 @@ def load_sequence_classifier(
     fresh_head = any(k.split(".")[0] == "score" for k in info["missing_keys"])
     if trained_head_for and fresh_head:
         raise ModelLoadError(untrained_head_message(path, trained_head_for))
-    _fit_vocab(model, tokenizer)
+    _fit_vocab(model, tokenizer, path)
     return disable_dropout(model)
 
 

@@ -171,7 +171,7 @@ class CastCheckpoints:
         # on every rank, a resume held the whole model and its two moments once per process
         # (12 bytes per trained fp32 weight: on 8 ranks of one machine, 8 copies of it)
         main = self.ctx.is_main
-        policy = C.read_weights(path / "policy") if main else {}
+        policy = C.read_weights_for(self.cast.policy_lm, path / "policy") if main else {}
         if self.cast.shared and main:
             head = C.read_weights(path, "value_head.safetensors")
             policy = {
@@ -181,7 +181,7 @@ class CastCheckpoints:
         load_full_state_dict(self.cast.policy, policy, self.ctx)
         del policy
         if self.cast.critic_values is not None:
-            critic = C.read_weights(path / "critic") if main else {}
+            critic = C.read_weights_for(self.cast.critic, path / "critic") if main else {}
             load_full_state_dict(
                 self.cast.critic_values, {f"model.{k}": v for k, v in critic.items()}, self.ctx
             )
