@@ -63,7 +63,9 @@ def add_parsers(sub, config_args: Callable[[argparse.ArgumentParser], None]) -> 
     )
     _model_args(gen)
     gen.add_argument("--prompts", required=True, help="a prompt file (as data.prompts)")
-    gen.add_argument("--out", default="answers.jsonl", help="default answers.jsonl")
+    gen.add_argument(
+        "--out", default="answers.jsonl", help="default answers.jsonl in the current folder"
+    )
     config_args(gen)
     ev = sub.add_parser(
         "eval",
@@ -86,7 +88,10 @@ def add_parsers(sub, config_args: Callable[[argparse.ArgumentParser], None]) -> 
     ev.add_argument("--gold", metavar="module:function", help="the gold reward function")
     ev.add_argument("--limit", type=int, help="evaluate on the first N prompts only")
     ev.add_argument(
-        "--out", default="eval.json", help="the summary (JSON; the answers go beside it as .jsonl)"
+        "--out",
+        default="eval.json",
+        help="the summary (JSON; the answers go beside it as .jsonl); default eval.json "
+        "(and eval.jsonl) in the current folder",
     )
     config_args(ev)
 

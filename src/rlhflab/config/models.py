@@ -179,7 +179,9 @@ class ModelConfig:
         "list of names as peft matches them, the last parts of a layer's path ([q_proj, "
         "v_proj], [attn.c_proj]); [q_proj, k_proj, v_proj, o_proj] was the default until "
         "issue #26 (attention only, Llama names). A name that matches no Linear layer of the "
-        "model is refused, with the model's Linear layer names.",
+        "model is refused, with the model's Linear layer names. A mixture-of-experts model "
+        "(Mixtral, Qwen3-MoE) keeps its experts as fused tensors in transformers 5, not "
+        "Linear layers: all-linear adapts its attention and router, never the experts.",
     )
     critic_lora_r: int = setting(
         0,
