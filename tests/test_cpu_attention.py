@@ -1,5 +1,6 @@
-"""model.cpu_attention_fp32: the native runtime's rotary embedding, KV cache and attention in
-fp32 on the CPU when the projections come out in 16 bits (backends/native.py)."""
+"""model.cpu_attention_fp32: attention in fp32 on the CPU when the projections come out in 16
+bits — the native runtime's rotary embedding, KV cache and SDPA (backends/native.py), and a
+transformers model's SDPA (models/hf_attention.py; its own tests: test_hf_cpu_attention.py)."""
 
 import pytest
 import torch
@@ -7,45 +8,39 @@ import torch
 from rlhflab import models as M
 from rlhflab.backends.native import NativeAttention, set_cpu_attention_fp32
 from rlhflab.config import load_config
-from rlhflab.models.build import finish_models, load_model, load_tokenizer_for, to_trained
+from rlhflab.models.hf_attention import set_transformers_cpu_attention_fp32
 from rlhflab.trainers.ppo import PPOTrainer
+from tests.model_helpers import batch, loaded
 
 REWARD = {"functions": {"rlhflab.builtin.toy_rewards:vowel_reward": 1.0}}
 
 
-def native_nano(*overrides, trained=True, precision="fp32"):
-    cfg = load_config(
-        base={"model": {"policy": "preset:nano", "runtime": "native"}, "reward": REWARD},
-        overrides=list(overrides),
-    )
-    tok = load_tokenizer_for(cfg.model.policy, cfg.model)
-    model = load_model(cfg.model.policy, tok, cfg.model, trained=trained, precision=precision)
-    if trained:
-        finish_models(cfg.model, "cpu", trained=(model,))
-        return to_trained(model, "cpu", "policy").eval()
-    finish_models(cfg.model, "cpu", frozen=(model,))
-    return model.eval()
+RUNTIMES = ["native", "transformers"]
 
 
-def batch():
-    ids = torch.randint(3, 400, (3, 10), generator=torch.Generator().manual_seed(0))
-    mask = torch.ones_like(ids)
-    mask[0, :3] = 0  # a left-padded row
-    return ids, mask
+def native_nano(*overrides, trained=True, precision="fp32", runtime="native"):
+    return loaded("preset:nano", runtime, *overrides, trained=trained, precision=precision)
 
 
-def test_bf16_compute_attends_in_fp32_on_the_cpu_unless_switched_off(sdpa_dtypes):
-    model = native_nano()
+def switch_off(model) -> None:
+    set_cpu_attention_fp32(False, [model])  # each a no-op on the other runtime's models
+    set_transformers_cpu_attention_fp32(False, [model])
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_bf16_compute_attends_in_fp32_on_the_cpu_unless_switched_off(sdpa_dtypes, runtime):
+    model = native_nano(runtime=runtime)
     ids, mask = batch()
     with torch.no_grad():
         ref = M.causal_forward(model, ids, mask).logits
         with M.compute_autocast("cpu", "bf16"):
             wide = M.causal_forward(model, ids, mask).logits
-        assert set(sdpa_dtypes[-2:]) == {(torch.float32,) * 3}
-        set_cpu_attention_fp32(False, [model])
+        assert sdpa_dtypes and set(sdpa_dtypes) == {(torch.float32,) * 3}
+        sdpa_dtypes.clear()
+        switch_off(model)
         with M.compute_autocast("cpu", "bf16"):
             narrow = M.causal_forward(model, ids, mask).logits
-        assert set(sdpa_dtypes[-2:]) == {(torch.bfloat16,) * 3}
+        assert sdpa_dtypes and set(sdpa_dtypes) == {(torch.bfloat16,) * 3}
     real = mask.bool()
     for out in (wide, narrow):  # both are fp32's logits up to bf16 rounding
         err = (out.float() - ref)[real].abs().max() / ref[real].abs().max()
@@ -53,24 +48,27 @@ def test_bf16_compute_attends_in_fp32_on_the_cpu_unless_switched_off(sdpa_dtypes
     assert not torch.equal(wide, narrow)  # the switch changes the arithmetic
 
 
-def test_fp32_compute_is_untouched_by_the_switch(sdpa_dtypes):
-    model = native_nano()
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_fp32_compute_is_untouched_by_the_switch(sdpa_dtypes, runtime):
+    model = native_nano(runtime=runtime)
     ids, mask = batch()
     with torch.no_grad():
         on = M.causal_forward(model, ids, mask).logits
-        set_cpu_attention_fp32(False, [model])
+        switch_off(model)
         off = M.causal_forward(model, ids, mask).logits
     assert torch.equal(on, off)
     assert set(sdpa_dtypes) == {(torch.float32,) * 3}
 
 
-def test_a_frozen_bf16_model_attends_in_fp32_without_autocast(sdpa_dtypes):
-    model = native_nano(trained=False, precision="bf16")
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_a_frozen_bf16_model_attends_in_fp32_without_autocast(sdpa_dtypes, runtime):
+    """... and hands its output projection bf16, the dtype of its weight."""
+    model = native_nano(trained=False, precision="bf16", runtime=runtime)
     assert next(model.parameters()).dtype == torch.bfloat16
     ids, mask = batch()
     with torch.no_grad():
         logits = M.causal_forward(model, ids, mask).logits
-    assert torch.isfinite(logits.float()).all()
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits.float()).all()
     assert set(sdpa_dtypes) == {(torch.float32,) * 3}
 
 
@@ -89,14 +87,16 @@ def test_kv_cached_decoding_matches_the_full_forward_in_fp32_attention():
     assert (last - full.float()).abs().max() / full.float().abs().max() < 2e-2
 
 
-def test_gradients_flow_to_fp32_weights_through_the_fp32_attention():
-    model = native_nano().train()
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_gradients_flow_to_fp32_weights_through_the_fp32_attention(sdpa_dtypes, runtime):
+    model = native_nano(runtime=runtime).train()
     ids, mask = batch()
     with M.compute_autocast("cpu", "bf16"):
         logits = M.causal_forward(model, ids, mask).logits
     logits.float().logsumexp(-1).mean().backward()
     q = model.model.layers[0].self_attn.q_proj.weight
     assert q.grad is not None and q.grad.dtype == torch.float32 and q.grad.abs().sum() > 0
+    assert sdpa_dtypes and set(sdpa_dtypes) == {(torch.float32,) * 3}
 
 
 @pytest.mark.parametrize("on", [True, False])

@@ -9,33 +9,17 @@ from rlhflab import models as M
 from rlhflab.backends import weight_cast
 from rlhflab.backends.optim import FusedAdamW
 from rlhflab.config import load_config
-from rlhflab.models.build import finish_models, load_model, load_tokenizer_for, to_trained
 from rlhflab.trainers.ppo import PPOTrainer
-
-REWARD = {"functions": {"rlhflab.builtin.toy_rewards:vowel_reward": 1.0}}
+from tests.model_helpers import REWARD, batch, loaded
 
 
 def nano(runtime, *overrides):
-    cfg = load_config(
-        base={"model": {"policy": "preset:nano", "runtime": runtime}, "reward": REWARD},
-        overrides=["model.compute_dtype=bf16", *overrides],
-    )
-    tok = load_tokenizer_for(cfg.model.policy, cfg.model)
     torch.manual_seed(0)
-    model = load_model(cfg.model.policy, tok, cfg.model)
-    finish_models(cfg.model, "cpu", trained=(model,))
-    return to_trained(model, "cpu", "policy")
+    return loaded("preset:nano", runtime, "model.compute_dtype=bf16", *overrides, eval_mode=False)
 
 
 def kept(model):
     return [m for m in model.modules() if getattr(m, weight_cast.FLAG, False)]
-
-
-def batch():
-    ids = torch.randint(3, 400, (3, 10), generator=torch.Generator().manual_seed(0))
-    mask = torch.ones_like(ids)
-    mask[0, :3] = 0
-    return ids, mask
 
 
 def logits_and_grads(model):
@@ -95,11 +79,10 @@ def test_training_steps_match_autocast_s_after_every_update(optimizer):
 
 
 def test_fp32_compute_and_the_switch_off_keep_nothing():
-    cfg = load_config(base={"model": {"policy": "preset:nano"}, "reward": REWARD})
-    tok = load_tokenizer_for(cfg.model.policy, cfg.model)
-    model = load_model(cfg.model.policy, tok, cfg.model)
-    finish_models(cfg.model, "cpu", trained=(model,))
-    assert not kept(model)
+    for runtime in ("native", "transformers"):
+        assert not kept(loaded("preset:nano", runtime))
+        off = ("model.compute_dtype=bf16", "model.cast_cache=false")
+        assert not kept(loaded("preset:nano", runtime, *off))
 
 
 def test_nothing_is_kept_under_torch_distributed(tmp_path):
