@@ -1,9 +1,10 @@
 """model.cpu_attention_fp32 on the transformers runtime: SDPA in fp32 on the CPU when the
 values come out in 16 bits, through transformers' attention registry (models/hf_attention.py)."""
 
+import copy
+
 import pytest
 import torch
-import torch.nn.functional as F
 
 from rlhflab import models as M
 from rlhflab.models.hf_attention import NAME, set_transformers_cpu_attention_fp32
@@ -88,9 +89,58 @@ def test_bf16_lora_ppo_on_the_transformers_runtime_starts_at_ratio_one_and_expor
         assert torch.isfinite(reloaded(input_ids=ids % 60 + 3, attention_mask=mask).logits).all()
 
 
-def test_sdpa_fixture_sees_the_calls():
-    """The recording fixture wraps the function transformers calls (F.scaled_dot_product_attention
-    looked up at call time): otherwise the tests above could pass without a call."""
-    from transformers.integrations import sdpa_attention
+class _Attention(torch.nn.Module):
+    num_key_value_groups = 2  # grouped-query: 4 query heads on 2 key/value heads
 
-    assert sdpa_attention.torch.nn.functional is F
+
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "float", "position_bias"])
+def test_the_function_is_transformers_sdpa_in_fp32(mask_kind):
+    """Against transformers' own function on the same inputs in fp32: equal up to the bf16
+    rounding of the output (the inputs are bf16 numbers, exact in fp32); with fp32 inputs
+    it is that function, bit for bit."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from rlhflab.models.hf_attention import _sdpa_fp32_on_cpu
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 5, 8, generator=g) for h in (4, 2, 2))
+    kw = {}
+    mask = None
+    if mask_kind == "bool":
+        mask = torch.ones(2, 1, 5, 5, dtype=torch.bool).tril()
+        mask[0, :, :, :2] = False  # a left-padded row
+        mask[0, :, :2, 0] = True  # (its padded rows attend somewhere)
+    elif mask_kind == "float":
+        mask = torch.zeros(2, 1, 5, 5).masked_fill(torch.ones(5, 5).triu(1).bool(), -1e30)
+    elif mask_kind == "position_bias":
+        kw["position_bias"] = torch.randn(1, 4, 5, 5, generator=g)
+    low = [t.bfloat16() for t in (q, k, v)]
+    low_mask = mask.bfloat16() if mask is not None and mask.is_floating_point() else mask
+    low_kw = {key: t.bfloat16() for key, t in kw.items()}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = _sdpa_fp32_on_cpu(_Attention(), *low, low_mask, **low_kw)
+    ref_kw = {key: t.float() for key, t in low_kw.items()}
+    ref_mask = low_mask.float() if low_mask is not None and low_mask.is_floating_point() else mask
+    want, _ = sdpa_attention_forward(_Attention(), *(t.float() for t in low), ref_mask, **ref_kw)
+    assert out.dtype == torch.bfloat16 and out.shape == want.shape == (2, 5, 4, 8)
+    assert torch.equal(out, want.bfloat16())
+    same, _ = _sdpa_fp32_on_cpu(_Attention(), q, k, v, mask, **kw)
+    assert torch.equal(same, sdpa_attention_forward(_Attention(), q, k, v, mask, **kw)[0])
+
+
+def test_models_whose_code_tests_the_name_or_mixes_attentions_keep_sdpa(monkeypatch):
+    from transformers import LlamaForCausalLM
+
+    from rlhflab.models import hf_attention
+
+    assert hf_attention._reads_the_name(__import__("transformers").Gemma4ForCausalLM)
+    monkeypatch.setitem(hf_attention._READS_NAME, LlamaForCausalLM, True)
+    assert hf_model().config._attn_implementation == "sdpa"
+    monkeypatch.setitem(hf_attention._READS_NAME, LlamaForCausalLM, False)
+    model = hf_model()
+    set_transformers_cpu_attention_fp32(False, [model])
+    inner = copy.deepcopy(model.config)  # a composite: its tower on another attention
+    inner._attn_implementation = "eager"
+    model.model.config = inner
+    assert set_transformers_cpu_attention_fp32(True, [model]) == 0
+    assert model.config._attn_implementation == "sdpa"

@@ -156,3 +156,39 @@ def test_a_tokenizer_with_more_tokens_than_the_embedding_is_refused_naming_both(
     err = capsys.readouterr().err
     assert "tokens but the model's embedding only" in err and "resize_token_embeddings" in err
     assert "Traceback" not in err
+
+
+def test_a_renamed_checkpoint_missing_a_weight_is_refused_not_filled_at_random(tmp_path):
+    """transformers' loader fills what a folder lacks with fresh weights: read back through
+    it, a checkpoint short of a tensor loaded "fine" before the loading report was read."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from rlhflab.infra import checkpoint as C
+
+    folder = build("neox", tmp_path / "neox")
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    renamed = C.read_weights_for(model, folder)  # the model's own names, the saved values
+    assert set(renamed) == set(model.state_dict())
+    assert torch.equal(renamed["lm_head.weight"], model.lm_head.weight)
+    weights = load_file(str(folder / "model.safetensors"))
+    gone = next(k for k in weights if k.endswith("mlp.dense_4h_to_h.weight"))
+    del weights[gone]
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(C.CheckpointError, match="missing"):
+        C.load_weights_into(model, folder)
+
+
+def test_the_window_of_a_composite_model_is_read_from_its_text_config():
+    """Gemma 3's 4B-27B load as Gemma3ForConditionalGeneration: the window is in text_config."""
+    from transformers import Gemma3Config, LlamaConfig
+
+    from rlhflab.experience.opener import within_window
+
+    class Model:
+        def __init__(self, config):
+            self.config = config
+
+    gemma3 = Model(Gemma3Config())
+    assert within_window(gemma3, 100) and not within_window(gemma3, 100_000)
+    assert within_window(Model(LlamaConfig()), 100_000)

@@ -159,3 +159,26 @@ def test_forwards_reuse_the_copies_and_the_memory_report_counts_them():
 
     (row,) = cast_memory(Cast())
     assert row.kept_casts == 2 * sum(w.numel() for w in weights) > 0
+
+
+def test_with_activation_checkpointing_a_frozen_lora_base_keeps_no_copies(tmp_path):
+    """Its training forward holds no casts for backward there: kept copies of the frozen
+    base would add half its fp32 bytes to the training peak. The adapters keep theirs."""
+    for checkpointing, base_kept in (("false", True), ("true", False)):
+        cfg = load_config(
+            base={
+                "device": "cpu",
+                "model": {"policy": "preset:nano", "lora_r": 4, "compute_dtype": "bf16"},
+                "reward": REWARD,
+                "rollout": {"prompts_per_iteration": 4, "max_new_tokens": 4},
+                "ppo": {"iterations": 1, "epochs": 1},
+                "log": {"output_dir": str(tmp_path / checkpointing), "progress": False},
+            },
+            overrides=[f"model.gradient_checkpointing={checkpointing}"],
+        )
+        trainer = PPOTrainer(cfg)
+        trainer.step()
+        policy = trainer.cast.policy
+        base = [p for n, p in policy.named_parameters() if "base_layer.weight" in n]
+        assert base and all((weight_cast.COPY in p.__dict__) == base_kept for p in base)
+        assert any(p.requires_grad for p in weight_cast.kept_weights(policy))  # adapters

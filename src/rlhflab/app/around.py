@@ -1,9 +1,11 @@
 """The commands around training: ``export`` (a run's policy as a plain Hugging Face folder),
 ``generate`` (its answers to a prompt file) and ``eval`` (answers scored on held-out
-prompts). Their flags are declared here and added to ``rlhflab``'s parser by
-:func:`add_parsers`; the work is in :mod:`rlhflab.app.answers`, :mod:`rlhflab.infra.runs`
-and :func:`rlhflab.models.export.save_policy`. Nothing heavy is imported until a command
-runs (the command line may restart itself under another allocator first).
+prompts), whose flags are declared here and added to ``rlhflab``'s parser by
+:func:`add_parsers`; also ``memory``'s work (the bytes of a configured cast; its flags are
+the training commands', in :mod:`rlhflab.app.cli`). The work is in
+:mod:`rlhflab.app.answers`, :mod:`rlhflab.infra.runs` and
+:func:`rlhflab.models.export.save_policy`. Nothing heavy is imported until a command runs
+(the command line may restart itself under another allocator first).
 """
 
 from __future__ import annotations
@@ -177,4 +179,35 @@ def cmd_eval(args) -> int:
     summary = run_eval(args)
     print(format_eval(summary))
     print(f"written to {args.out} and {summary['answers_file']}")
+    return 0
+
+
+def _no_reward(prompts, responses):
+    return [0.0] * len(responses)
+
+
+def cmd_memory(args) -> int:
+    from rlhflab.config import load_config
+    from rlhflab.diagnostics.memory import (
+        cast_memory,
+        format_iteration,
+        format_table,
+        iteration_memory,
+        not_counted,
+        peak_rss_bytes,
+    )
+    from rlhflab.experience.cast import build_cast
+    from rlhflab.experience.rewards import CallableReward
+
+    cfg = load_config(args.config, args.overrides, reward_given=True)
+    rw, extra = cfg.reward, ()
+    if not (rw.model or rw.ensemble or rw.functions):  # the models' table needs none
+        print("reward: none set, so no reward model is counted (set reward.model to count one)")
+        extra = ((CallableReward(_no_reward, "no reward"), 1.0),)
+    cast = build_cast(cfg, extra_rewards=extra)
+    rows = cast_memory(cast)
+    print(format_table(rows, peak_rss_bytes()))
+    print(format_iteration(iteration_memory(cast, cfg), rows))
+    for line in not_counted(cast, cfg):
+        print(line)
     return 0

@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from rlhflab.app.around import add_parsers, cmd_eval, cmd_export, cmd_generate
+from rlhflab.app.around import add_parsers, cmd_eval, cmd_export, cmd_generate, cmd_memory
 from rlhflab.app.user_errors import every_rank_errors, storage_error, user_errors
 from rlhflab.backends.allocator import CHOICES, ENV_CHOICE, AllocatorError, in_use, restart_under
 
@@ -117,37 +117,6 @@ def build_parser() -> argparse.ArgumentParser:
     # export, generate, eval: the commands around training (app/around.py)
     add_parsers(sub, _config_args)
     return parser
-
-
-def _no_reward(prompts, responses):
-    return [0.0] * len(responses)
-
-
-def cmd_memory(args) -> int:
-    from rlhflab.config import load_config
-    from rlhflab.diagnostics.memory import (
-        cast_memory,
-        format_iteration,
-        format_table,
-        iteration_memory,
-        not_counted,
-        peak_rss_bytes,
-    )
-    from rlhflab.experience.cast import build_cast
-    from rlhflab.experience.rewards import CallableReward
-
-    cfg = load_config(args.config, args.overrides, reward_given=True)
-    rw, extra = cfg.reward, ()
-    if not (rw.model or rw.ensemble or rw.functions):  # the models' table needs none
-        print("reward: none set, so no reward model is counted (set reward.model to count one)")
-        extra = ((CallableReward(_no_reward, "no reward"), 1.0),)
-    cast = build_cast(cfg, extra_rewards=extra)
-    rows = cast_memory(cast)
-    print(format_table(rows, peak_rss_bytes()))
-    print(format_iteration(iteration_memory(cast, cfg), rows))
-    for line in not_counted(cast, cfg):
-        print(line)
-    return 0
 
 
 def cmd_config(args) -> int:

@@ -28,7 +28,10 @@ casts of weights that train, so without a kept copy every forward — each of a 
 pass's decoding steps — cast the whole frozen base again (SmolLM2-135M, LoRA r=8, bf16
 compute: 5.50 → 4.02 s an iteration, peak +31 MiB; docs/real-models.md, "Precision"). Its
 copies cost half the base's fp32 bytes between forwards, which the training forward's
-graph holds anyway while it lives.
+graph holds anyway while it lives — except under activation checkpointing, where the
+frozen weights keep no copies (``keep_weight_casts``'s ``frozen_too``). Whatever changes a
+frozen weight in place must :func:`forget` its copy (peft's in-place merge would; rlhflab
+merges adapters out of place, models/export.py).
 Not under ``torch.distributed``: FSDP re-gathers unsharded weights into storage this cannot
 track.
 """
@@ -43,6 +46,7 @@ from torch import nn
 
 FLAG = "_rlhflab_keeps_casts"  # set on every Linear whose forward is cached_linear_forward
 COPY = "_rlhflab_low_copy"  # on the weight: (its version, storage and dtype then, the copy)
+FROZEN_TOO = "_rlhflab_keeps_frozen_casts"  # on the Linear: a frozen weight keeps one too
 
 
 class _KeptCast(torch.autograd.Function):
@@ -93,7 +97,7 @@ def forget(weights) -> None:
 def low_weight(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     """The kept copy of ``layer.weight`` for a product with ``x`` under autocast, or None
     where autocast would not cast it (autocast off, a 16-bit weight, no keeping)."""
-    if not getattr(layer, FLAG, False) or not _keeps(layer.weight):
+    if not getattr(layer, FLAG, False) or not _keeps(layer, layer.weight):
         return None
     dtype = autocast_dtype_of(x)
     return None if dtype is None else kept_copy(layer.weight, dtype)
@@ -112,7 +116,7 @@ def kept_weights(model: nn.Module) -> list[torch.Tensor]:
     seen: dict[int, torch.Tensor] = {}
     for module in model.modules():
         w = getattr(module, "weight", None)
-        if getattr(module, FLAG, False) and _keeps(w):
+        if getattr(module, FLAG, False) and _keeps(module, w):
             seen.setdefault(id(w), w)
     return list(seen.values())
 
@@ -124,15 +128,20 @@ def make_copies(model: nn.Module, dtype: torch.dtype) -> int:
         return sum(kept_copy(w, dtype).nbytes for w in kept_weights(model))
 
 
-def _keeps(weight) -> bool:
-    # trained and frozen alike: a frozen fp32 weight inside a trained model (a LoRA base)
-    # is what autocast casts most often, as its cache keeps only the casts of weights that
-    # train (every sampling step cast the whole base again)
-    return weight is not None and weight.dtype == torch.float32
+def _keeps(layer: nn.Module, weight) -> bool:
+    # a frozen fp32 weight inside a trained model (a LoRA base) is what autocast casts most
+    # often, as its cache keeps only the casts of weights that train (every sampling step
+    # cast the whole base again); kept unless the layer was told otherwise (FROZEN_TOO)
+    if weight is None or weight.dtype != torch.float32:
+        return False
+    return weight.requires_grad or getattr(layer, FROZEN_TOO, True)
 
 
-def keep_weight_casts(model: nn.Module) -> int:
+def keep_weight_casts(model: nn.Module, frozen_too: bool = True) -> int:
     """Give every plain ``nn.Linear`` of ``model`` the kept-copy forward; returns how many.
+    ``frozen_too``: frozen fp32 weights (a LoRA base) keep copies as well — not with
+    activation checkpointing, whose training forward holds no casts for its backward, so
+    there the copies would add half the base's fp32 bytes to the training phase's peak.
     A no-op under ``torch.distributed`` (see the module docstring)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return 0
@@ -141,5 +150,6 @@ def keep_weight_casts(model: nn.Module) -> int:
         if type(module) is nn.Linear and not getattr(module, FLAG, False):
             module.forward = types.MethodType(cached_linear_forward, module)
             setattr(module, FLAG, True)
+            setattr(module, FROZEN_TOO, frozen_too)
             n += 1
     return n

@@ -142,7 +142,8 @@ class ModelConfig:
         "policy's base, shared with its reference) at every call, each decoding step's "
         "included. Same arithmetic bit for bit; costs half those weights' fp32 bytes, held "
         "between forwards, which a training forward's graph holds anyway while it lives "
-        "(rlhflab/backends/weight_cast.py). Not under torch.distributed (FSDP re-gathers "
+        "(with gradient_checkpointing it does not: frozen weights then keep none; "
+        "rlhflab/backends/weight_cast.py). Not under torch.distributed (FSDP re-gathers "
         "weights into storage it cannot track). Ignored for fp32.",
     )
     cpu_attention_fp32: bool = setting(

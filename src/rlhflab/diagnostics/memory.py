@@ -44,7 +44,8 @@ class ModelMemory:
     trainable: int  # bytes of the weights that get gradients
     gradients: int  # = trainable bytes
     optimizer: int  # AdamW keeps two moments per trainable weight
-    # the 16-bit copies of trained weights kept between forwards (model.cast_cache)
+    # the 16-bit copies of a trained model's fp32 weights (a LoRA base's too) kept between
+    # forwards (model.cast_cache)
     kept_casts: int = 0
 
     @property
@@ -88,7 +89,8 @@ def format_table(rows: list[ModelMemory], peak: int | None = None) -> str:
     lines.append(cells("total", [sum(col) for col in zip(*(parts(r) for r in rows))]))
     if kept:
         lines.append(
-            "16-bit: the copies of trained weights kept between forwards (model.cast_cache)"
+            "16-bit: the copies of trained models' weights (a LoRA base's too) kept between "
+            "forwards (model.cast_cache)"
         )
     if peak is not None:
         lines.append(f"measured peak resident memory while building: {peak / mib:.1f} MiB")

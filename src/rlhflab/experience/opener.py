@@ -239,6 +239,8 @@ def within_window(model, length: int) -> bool:
     Gemma 2 crashed on a shape mismatch there): the probe then runs a forward per spelling
     over prompt and spelling, which the model's own attention windows as it always does."""
     config = getattr(getattr(model, "peft_model", model), "config", None)
+    if hasattr(config, "get_text_config"):  # Gemma 3/4's window is in their text config
+        config = config.get_text_config(decoder=True)
     window = getattr(config, "sliding_window", None)
     if not window or getattr(config, "use_sliding_window", True) is False:
         return True

@@ -284,7 +284,7 @@ def _renamed_on_save(model, folder: Path, files: list[Path], targets: dict) -> d
     for f in files:
         with safe_open(str(f), "pt") as fh:
             saved.update(fh.keys())
-    if saved <= set(targets) and not set(targets) - saved - _tied(model):
+    if saved <= set(targets):  # nothing renamed; a missing weight is refused by the caller
         return None
     cls = next((c for c in type(model).__mro__ if c.__module__.startswith("transformers")), None)
     if cls is None or not hasattr(cls, "from_pretrained"):
@@ -294,10 +294,20 @@ def _renamed_on_save(model, folder: Path, files: list[Path], targets: dict) -> d
     quiet_transformers()
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
     try:
-        return cls.from_pretrained(folder, dtype=dtype).state_dict()
+        fresh, info = cls.from_pretrained(folder, dtype=dtype, output_loading_info=True)
     except (OSError, ValueError, RuntimeError) as exc:
         log.warning("%s: transformers could not read it back either (%s)", folder, exc)
         return None
+    # transformers fills what a folder lacks with fresh random weights: never a resume
+    missing = sorted(set(info["missing_keys"]) - _tied(model))
+    odd = missing + sorted(set(info["unexpected_keys"])) + [k[0] for k in info["mismatched_keys"]]
+    if odd:
+        raise CheckpointError(
+            f"{folder}: weights do not match the model (read back through transformers: "
+            f"missing {missing[:3]}, unexpected {sorted(info['unexpected_keys'])[:3]}, "
+            f"other shapes {[k[0] for k in info['mismatched_keys']][:3]})"
+        )
+    return fresh.state_dict()
 
 
 def read_weights_for(model, folder: Path) -> dict:

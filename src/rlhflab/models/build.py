@@ -114,7 +114,7 @@ def finish_models(options: ModelConfig, device, trained=(), frozen=()) -> None:
         if options.gradient_checkpointing:
             enable_gradient_checkpointing(model)
         if options.cast_cache and options.compute_dtype != "fp32":
-            keep_weight_casts(model)
+            keep_weight_casts(model, frozen_too=not options.gradient_checkpointing)
 
 
 def to_trained(model: nn.Module, device, what: str) -> nn.Module:

@@ -166,7 +166,8 @@ def _write_tokenizer(tokenizer, folder: Path, vocab_size: int) -> None:
 def _drop_tokens_past_vocab(path: Path, vocab_size: int) -> set[str]:
     """Remove added tokens with ids the model has no embedding row for: tokens the GGUF does
     not list, which transformers' GPT-2 tokenizer class adds by default (``<|endoftext|>``
-    for a vocabulary without one). Kept, every load would grow the embedding for them."""
+    for a vocabulary without one). Kept, every load would refuse the tokenizer as larger than
+    the embedding (models/loading.py)."""
     spec = json.loads(path.read_text())
     extra = [t for t in spec.get("added_tokens", []) if t["id"] >= vocab_size]
     if extra:
