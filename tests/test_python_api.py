@@ -46,6 +46,16 @@ def nano_object(dropout: float = 0.0):
     return model, AutoTokenizer.from_pretrained(path)
 
 
+def test_a_model_object_with_a_larger_tokenizer_is_refused_naming_what_was_passed(tmp_path):
+    model, tokenizer = nano_object()
+    tokenizer.add_tokens(["brandnewword"])
+    with pytest.raises(ConfigError, match="the tokenizer passed has .* model object's"):
+        rlhflab.PPOTrainer(
+            model, reward=short, prompts=PROMPTS, tokenizer=tokenizer, output_dir=tmp_path / "r"
+        )
+    assert not (tmp_path / "r" / "inputs" / "policy").exists()  # refused before the copy
+
+
 def test_ppo_from_python_with_a_model_object_a_lambda_and_a_prompt_list(tmp_path, capsys, caplog):
     model, tokenizer = nano_object(dropout=0.1)
     model.train()
