@@ -192,3 +192,20 @@ def test_the_window_of_a_composite_model_is_read_from_its_text_config():
     gemma3 = Model(Gemma3Config())
     assert within_window(gemma3, 100) and not within_window(gemma3, 100_000)
     assert within_window(Model(LlamaConfig()), 100_000)
+
+
+def test_a_shared_value_head_on_a_model_without_an_output_layer_is_refused_naming_the_setting():
+    from torch import nn
+
+    from rlhflab.models import PolicyWithValueHead
+    from rlhflab.models.prepare import ModelLoadError
+
+    class Headless(nn.Module):
+        def get_output_embeddings(self):
+            return None
+
+        def get_input_embeddings(self):
+            return nn.Embedding(3, 4)
+
+    with pytest.raises(ModelLoadError, match="model.value_model=shared: Headless"):
+        PolicyWithValueHead(Headless())

@@ -12,6 +12,7 @@ from torch import nn
 from rlhflab.models.forward import backbone_hidden
 from rlhflab.models.loading import load_sequence_classifier
 from rlhflab.models.precision import fp32_head
+from rlhflab.models.prepare import ModelLoadError
 
 
 class PolicyWithValueHead(nn.Module):
@@ -27,7 +28,13 @@ class PolicyWithValueHead(nn.Module):
         self.lm = lm
         # as wide as what the output layer reads, which is not always config.hidden_size:
         # OPT-350m projects its 1024-wide hidden states to 512 before the vocabulary head
-        hidden = lm.get_output_embeddings().weight.shape[1]
+        head = lm.get_output_embeddings()
+        if not isinstance(getattr(head, "weight", None), torch.Tensor) or head.weight.dim() != 2:
+            raise ModelLoadError(
+                f"model.value_model=shared: {type(lm).__name__} has no output layer whose input "
+                "a value head could share; use model.value_model=separate"
+            )
+        hidden = head.weight.shape[1]
         self.value_head = nn.Linear(hidden, 1, dtype=lm.get_input_embeddings().weight.dtype)
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
