@@ -192,6 +192,10 @@ def test_the_window_of_a_composite_model_is_read_from_its_text_config():
     gemma3 = Model(Gemma3Config())
     assert within_window(gemma3, 100) and not within_window(gemma3, 100_000)
     assert within_window(Model(LlamaConfig()), 100_000)
+    from transformers import Llama4Config
+
+    llama4 = Model(Llama4Config())  # chunked attention: 8192-position chunks
+    assert within_window(llama4, 8000) and not within_window(llama4, 9000)
 
 
 def test_a_shared_value_head_on_a_model_without_an_output_layer_is_refused_naming_the_setting():

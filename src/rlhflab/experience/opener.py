@@ -233,7 +233,8 @@ def _opener_by_forwards(model, sp: Spellings, ids, mask, temperature) -> torch.T
 
 def within_window(model, length: int) -> bool:
     """Whether ``length`` positions stay within ``model``'s sliding attention window, if it
-    has one (Gemma 2 and 3, Mistral; Qwen2 where ``use_sliding_window``). Past it the
+    has one (Gemma 2 and 3, Mistral; Qwen2 where ``use_sliding_window``; Llama 4's chunked
+    attention, whose cache keeps a chunk's worth). Past it the
     prompts' cache has dropped its oldest positions — transformers' sliding-window cache
     keeps the last ``window`` only — so the spellings cannot be scored after it (PPO on
     Gemma 2 crashed on a shape mismatch there): the probe then runs a forward per spelling
@@ -241,13 +242,17 @@ def within_window(model, length: int) -> bool:
     config = getattr(getattr(model, "peft_model", model), "config", None)
     if hasattr(config, "get_text_config"):  # Gemma 3/4's window is in their text config
         config = config.get_text_config(decoder=True)
-    window = getattr(config, "sliding_window", None)
-    if not window or getattr(config, "use_sliding_window", True) is False:
-        return True
     types = getattr(config, "layer_types", None)
-    if types is not None and "sliding_attention" not in types:
-        return True
-    if length <= int(window):
+    windows = []  # as transformers' cache sizes its windowed layers (cache_utils)
+    sliding = getattr(config, "sliding_window", None)
+    if sliding and getattr(config, "use_sliding_window", True) is not False:
+        if types is None or "sliding_attention" in types:
+            windows.append(int(sliding))
+    chunk = getattr(config, "attention_chunk_size", None)  # Llama 4's chunked layers
+    if chunk and (types is None or "chunked_attention" in types):
+        windows.append(int(chunk))
+    window = min(windows, default=None)
+    if window is None or length <= window:
         return True
     if ("window", type(model).__name__) not in _SAID:
         _SAID.add(("window", type(model).__name__))
@@ -257,7 +262,7 @@ def within_window(model, length: int) -> bool:
             "spelling on it (same numbers, slower)",
             length,
             type(model).__name__,
-            int(window),
+            window,
         )
     return False
 
