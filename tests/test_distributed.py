@@ -353,3 +353,17 @@ def test_keep_best_saves_on_every_rank_together(tmp_path, strategy):
     state = torch.load(run / "checkpoints" / "best" / "state.pt", weights_only=True)
     assert state["world"] == 2 and state["iteration"] == story["best_iteration"] - 1
     assert story["best_checkpoint"] == str(run / "checkpoints" / "best")
+
+
+def test_fsdp_resumes_a_model_whose_weights_transformers_renames_on_save(tmp_path):
+    """GPT-NeoX saves its head as embed_out, holds it as lm_head: rank 0 reads a sharded
+    run's checkpoint back under the model's own names (checkpoint.read_weights_for)."""
+    from tests.test_real_architectures import build
+
+    folder = build("neox", tmp_path / "neox")
+    run, straight = tmp_path / "run", tmp_path / "straight"
+    over = ("dist.strategy=fsdp", "model.runtime=transformers", f"model.policy={folder}")
+    ranks(2, "run", str(run), *over, "ppo.iterations=2")
+    ranks(2, "run", str(run), *over, "ppo.iterations=3")
+    ranks(2, "run", str(straight), *over, "ppo.iterations=3")
+    _assert_same_checkpoint(run / "checkpoints" / "step-3", straight / "checkpoints" / "step-3")
