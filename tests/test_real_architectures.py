@@ -103,12 +103,31 @@ def test_the_opener_probe_on_a_sliding_window_model_scores_prompts_longer_than_i
         tmp_path, f"model.policy={folder}", "model.runtime=transformers", "ppo.iterations=1"
     )
     cfg.monitor.flattery_opener_ratio = 5.0
+    t = PPOTrainer(cfg)
     with caplog.at_level("WARNING", logger="rlhflab.experience.opener"):
-        PPOTrainer(cfg).fit()
+        t.fit()
     said = [r.message for r in caplog.records if "sliding attention window" in r.message]
     assert said and "Gemma2ForCausalLM" in said[0], said
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert rows[0]["monitor/flattery_opener_ratio"] == pytest.approx(1.0, abs=1e-4)
+    # and its numbers are the plain loop's: prompt + spelling, one whole forward each
+    from rlhflab.experience.opener import opener_logprobs
+    from rlhflab.experience.rollout import left_pad
+
+    lm, tok = t.cast.policy_lm, t.cast.tokenizer
+    prompts = [tok("copy: tree lime sun moon red", add_special_tokens=False)["input_ids"], [5, 6]]
+    assert len(prompts[0]) > lm.config.sliding_window  # past the window on its own
+    ids, mask = left_pad(prompts, tok.pad_token_id)
+    got = opener_logprobs(lm, tok, ids, mask, ["Great question"], 1.0, micro_batch=2)
+    for b, p in enumerate(prompts):
+        total = []
+        for v in ("Great question", " Great question"):
+            r = tok(v, add_special_tokens=False)["input_ids"][:4]
+            with torch.no_grad():
+                logp = torch.log_softmax(lm(torch.tensor([p + r])).logits[0].double(), -1)
+            total.append(sum(logp[len(p) - 1 + j, x] for j, x in enumerate(r)))
+        want = float(torch.logsumexp(torch.stack(total), 0))
+        assert float(got[b]) == pytest.approx(want, abs=1e-4)
 
 
 @pytest.mark.parametrize("extra", [[], ["rollout.logprobs_from_sampling=true"]])
