@@ -115,7 +115,12 @@ def test_the_opener_probe_on_a_sliding_window_model_scores_prompts_longer_than_i
     from rlhflab.experience.rollout import left_pad
 
     lm, tok = t.cast.policy_lm, t.cast.tokenizer
-    prompts = [tok("copy: tree lime sun moon red", add_special_tokens=False)["input_ids"], [5, 6]]
+    prompts = [
+        tok("copy: tree lime sun moon red blue green sea sky", add_special_tokens=False)[
+            "input_ids"
+        ],
+        [5, 6],
+    ]
     assert len(prompts[0]) > lm.config.sliding_window  # past the window on its own
     ids, mask = left_pad(prompts, tok.pad_token_id)
     got = opener_logprobs(lm, tok, ids, mask, ["Great question"], 1.0, micro_batch=2)
