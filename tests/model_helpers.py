@@ -1,5 +1,6 @@
 """One model as a command loads and finishes it, for tests of the model options (the CPU
-attention's precision, the kept 16-bit weight copies), and a small left-padded batch."""
+attention's precision, the kept 16-bit weight copies), a small left-padded batch, and the
+opener probe's number computed the plain way."""
 
 import torch
 
@@ -32,3 +33,19 @@ def batch():
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
     return ids, mask
+
+
+def probe_by_plain_loop(lm, tok, prompts: list[list[int]], phrase: str) -> list[float]:
+    """The opener probe's number for ``phrase`` done the plain way: per prompt, one whole
+    forward over prompt + spelling for each spelling (with and without a leading space, its
+    first 4 tokens), log-probs summed, the spellings' probabilities added (logsumexp)."""
+    out = []
+    for p in prompts:
+        total = []
+        for v in (phrase, " " + phrase):
+            r = tok(v, add_special_tokens=False)["input_ids"][:4]
+            with torch.no_grad():
+                logp = torch.log_softmax(lm(torch.tensor([p + r])).logits[0].double(), -1)
+            total.append(sum(logp[len(p) - 1 + j, x] for j, x in enumerate(r)))
+        out.append(float(torch.logsumexp(torch.stack(total), 0)))
+    return out

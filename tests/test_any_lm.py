@@ -10,6 +10,7 @@ import torch
 from rlhflab.app.cli import main
 from rlhflab.models.presets import build_tokenizer, default_corpus
 from rlhflab.trainers.ppo import PPOTrainer
+from tests.model_helpers import probe_by_plain_loop
 from tests.test_ppo import make_cfg
 
 
@@ -233,13 +234,5 @@ def test_the_opener_probe_on_a_model_whose_attention_takes_no_tree_mask(tmp_path
     prompts = [tok("copy: tree lime", add_special_tokens=False)["input_ids"], [5, 6]]
     ids, mask = left_pad(prompts, tok.pad_token_id)
     got = opener_logprobs(lm, tok, ids, mask, ["Great question"], 1.0, micro_batch=2)
-    for b, p in enumerate(prompts):
-        total = []
-        for v in ("Great question", " Great question"):
-            r = tok(v, add_special_tokens=False)["input_ids"][:4]
-            with torch.no_grad():
-                logp = torch.log_softmax(lm(torch.tensor([p + r])).logits[0].double(), -1)
-            total.append(sum(logp[len(p) - 1 + j, x] for j, x in enumerate(r)))
-        assert float(got[b]) == pytest.approx(
-            float(torch.logsumexp(torch.stack(total), 0)), abs=1e-4
-        )
+    want = probe_by_plain_loop(lm, tok, prompts, "Great question")
+    assert got.tolist() == pytest.approx(want, abs=1e-4)

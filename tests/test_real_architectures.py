@@ -12,6 +12,7 @@ from rlhflab.app.cli import main
 from rlhflab.infra.runlog import read_jsonl
 from rlhflab.models.presets import build_tokenizer, default_corpus
 from rlhflab.trainers.ppo import PPOTrainer
+from tests.model_helpers import probe_by_plain_loop
 from tests.test_ppo import VOLATILE, make_cfg
 
 
@@ -124,15 +125,8 @@ def test_the_opener_probe_on_a_sliding_window_model_scores_prompts_longer_than_i
     assert len(prompts[0]) > lm.config.sliding_window  # past the window on its own
     ids, mask = left_pad(prompts, tok.pad_token_id)
     got = opener_logprobs(lm, tok, ids, mask, ["Great question"], 1.0, micro_batch=2)
-    for b, p in enumerate(prompts):
-        total = []
-        for v in ("Great question", " Great question"):
-            r = tok(v, add_special_tokens=False)["input_ids"][:4]
-            with torch.no_grad():
-                logp = torch.log_softmax(lm(torch.tensor([p + r])).logits[0].double(), -1)
-            total.append(sum(logp[len(p) - 1 + j, x] for j, x in enumerate(r)))
-        want = float(torch.logsumexp(torch.stack(total), 0))
-        assert float(got[b]) == pytest.approx(want, abs=1e-4)
+    want = probe_by_plain_loop(lm, tok, prompts, "Great question")
+    assert got.tolist() == pytest.approx(want, abs=1e-4)
 
 
 @pytest.mark.parametrize("extra", [[], ["rollout.logprobs_from_sampling=true"]])
