@@ -81,14 +81,11 @@ def model_folder(model, tokenizer, folder: Path, what: str, reuse: bool) -> str:
             f"{what}: a model object needs its tokenizer (tokenizer=; for a reward model "
             "with its own, reward_tokenizer=); rlhflab never downloads one"
         )
-    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    rows = getattr(getattr(embedding, "weight", None), "shape", (None,))[0]
-    if rows is not None and len(tokenizer) > rows:  # as loading a folder refuses it, named here
-        raise ConfigError(
-            f"{what}: the tokenizer passed has {len(tokenizer)} tokens but the model object's "
-            f"embedding only {rows} rows, so ids from {rows} on have no embedding; if tokens "
-            "were added on purpose, call model.resize_token_embeddings(len(tokenizer)) first"
-        )
+    from rlhflab.models.loading import vocab_overflow
+
+    wrong = vocab_overflow(model, tokenizer, ("the tokenizer passed", "the model object"))
+    if wrong:  # as loading a folder refuses it, but naming the objects passed
+        raise ConfigError(f"{what}: {wrong}")
     if reuse and (folder / "config.json").is_file():
         log.info("%s: resuming; keeping %s, written when the run started", what, folder)
         return str(folder)

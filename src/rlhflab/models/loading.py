@@ -153,19 +153,31 @@ def load_tokenizer(
     return tok
 
 
+def vocab_overflow(model, tokenizer, names=("the tokenizer", "the model")) -> str | None:
+    """What is wrong when ``tokenizer`` has more tokens than ``model``'s embedding has rows
+    (ids past the last row have no embedding: the wrong tokenizer, or tokens added without
+    resizing the model), with the fix, the two called ``names``; None when every id has a
+    row."""
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    rows = getattr(getattr(embedding, "weight", None), "shape", (None,))[0]
+    if rows is None or len(tokenizer) <= rows:
+        return None
+    return (
+        f"{names[0]} has {len(tokenizer)} tokens but {names[1]}'s embedding only {rows} "
+        f"rows, so ids from {rows} on have no embedding (is it the model's own tokenizer?); "
+        "if tokens were added to it on purpose, give the model rows for them first: "
+        "model.resize_token_embeddings(len(tokenizer))"
+    )
+
+
 def _fit_vocab(model, tokenizer, path=None) -> None:
-    """The tokenizer's ids must all have rows in the embedding. One with more tokens than
-    rows (the wrong tokenizer, or tokens added without resizing the model) was met with
-    fresh random rows, silently: a LoRA run's adapter then carried the whole grown
-    embedding and the base it names could not load it. Refused instead, with the fix."""
-    rows = model.get_input_embeddings().weight.shape[0]
-    if len(tokenizer) > rows:
+    """Such a tokenizer (:func:`vocab_overflow`) was met with fresh random rows, silently:
+    a LoRA run's adapter then carried the whole grown embedding and the base it names could
+    not load it. Refused instead, with the fix."""
+    wrong = vocab_overflow(model, tokenizer)
+    if wrong:
         raise ModelLoadError(
-            f"{path or 'the model'}: the tokenizer has {len(tokenizer)} tokens but the model's "
-            f"embedding only {rows} rows, so ids from {rows} on have no embedding (is it the "
-            "model's own tokenizer?). If tokens were added to it on purpose, give the model "
-            "rows for them first: model.resize_token_embeddings(len(tokenizer)), then "
-            "save_pretrained both into one folder"
+            f"{path or 'the model'}: {wrong}, then save_pretrained both into one folder"
         )
     model.config.pad_token_id = tokenizer.pad_token_id
 
