@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from rlhflab import models as M
-from rlhflab.backends.native import NativeAttention, set_cpu_attention_fp32
+from rlhflab.backends.native import NativeAttention
 from rlhflab.config import load_config
-from rlhflab.models.hf_attention import set_transformers_cpu_attention_fp32
+from rlhflab.models.build import set_attention_fp32_on_cpu
 from rlhflab.trainers.ppo import PPOTrainer
 from tests.model_helpers import batch, loaded
 
@@ -23,8 +23,7 @@ def native_nano(*overrides, trained=True, precision="fp32", runtime="native"):
 
 
 def switch_off(model) -> None:
-    set_cpu_attention_fp32(False, [model])  # each a no-op on the other runtime's models
-    set_transformers_cpu_attention_fp32(False, [model])
+    set_attention_fp32_on_cpu(False, [model])
 
 
 @pytest.mark.parametrize("runtime", RUNTIMES)

@@ -87,9 +87,16 @@ def load_model(
             **common,
         )
     # every model a command loads, trained or frozen (eval, compare, demo included)
-    set_cpu_attention_fp32(options.cpu_attention_fp32, [model])
-    set_transformers_cpu_attention_fp32(options.cpu_attention_fp32, [model])
+    set_attention_fp32_on_cpu(options.cpu_attention_fp32, [model])
     return prepare_trained(model, options) if trained else model
+
+
+def set_attention_fp32_on_cpu(on: bool, models) -> None:
+    """``model.cpu_attention_fp32`` on ``models`` whichever runtime loaded them: the native
+    runtime's attention modules and transformers models loaded with SDPA (each switch
+    passes over the other runtime's models)."""
+    set_cpu_attention_fp32(on, models)
+    set_transformers_cpu_attention_fp32(on, models)
 
 
 def prepare_trained(model: nn.Module, options: ModelConfig) -> nn.Module:
