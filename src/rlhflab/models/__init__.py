@@ -18,6 +18,7 @@ from rlhflab.models.frozen import (
     Offloaded,
     freeze,
     make_reference,
+    module_bytes,
     set_precision,
 )
 from rlhflab.models.heads import (
@@ -35,7 +36,6 @@ from rlhflab.models.loading import (
     load_lora_adapter,
     load_sequence_classifier,
     load_tokenizer,
-    module_bytes,
     position_limit,
     positions_of,
     release_freed_memory,

@@ -144,3 +144,16 @@ def make_reference(
     if offload:
         return Offloaded(ref, torch.device(device))
     return ref.to(device) if precision != "int8" else ref
+
+
+def module_bytes(model: nn.Module) -> int:
+    """Bytes of all weights, tied tensors once; int8-packed Linear weights (their state_dict
+    holds a (qweight, bias) tuple) count 1 byte per weight."""
+    seen, total = set(), 0
+    for value in model.state_dict().values():
+        tensors = value if isinstance(value, tuple) else (value,)
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+    return total

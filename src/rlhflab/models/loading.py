@@ -387,16 +387,3 @@ def load_lora_adapter(lm: nn.Module, folder: str | Path) -> nn.Module:
         raise ModelLoadError(
             f"{folder}: the adapter cannot be loaded ({first_line(exc)})"
         ) from None
-
-
-def module_bytes(model: nn.Module) -> int:
-    """Bytes of all weights, tied tensors once; int8-packed Linear weights (their state_dict
-    holds a (qweight, bias) tuple) count 1 byte per weight."""
-    seen, total = set(), 0
-    for value in model.state_dict().values():
-        tensors = value if isinstance(value, tuple) else (value,)
-        for t in tensors:
-            if isinstance(t, torch.Tensor) and t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                total += t.numel() * t.element_size()
-    return total
