@@ -81,6 +81,67 @@ def test_gold_drop_signal_tracks_proxy_versus_gold(monkeypatch):
     assert drops[0] == 0.0 and drops[1] == pytest.approx(1 - 2 / 3) and drops[2] == 1.0
 
 
+def test_the_monitor_state_is_global_on_every_rank():
+    # only rank 0's state is checkpointed and every rank reads it back on --resume, so what
+    # it accumulates (the reference's flattery counts, the gold's moving average) must be
+    # the same on every rank: two "ranks" (threads) exchange their means as all-reduce does
+    import threading
+
+    from rlhflab.experience.rewards import FunctionReward
+
+    cfg = load_config(
+        overrides=[
+            "reward.functions={'rlhflab.builtin.toy_rewards:vowel_reward': 1}",
+            "monitor.gold=rlhflab.builtin.toy_rewards:vowel_reward",
+        ]
+    )
+    answers = [["Great question! aa", "b"], ["bb", "ab"]]
+    refs = [["Great question! a", "Great question! e"], ["plain", "plain"]]
+    posted, barrier = [{}, {}], threading.Barrier(2)
+
+    def mean_over_ranks(rank):
+        def mean(values):
+            posted[rank] = dict(values)
+            barrier.wait()
+            out = {k: (posted[0][k] + posted[1][k]) / 2 for k in values}
+            barrier.wait()  # both read before either posts again
+            return out
+
+        return mean
+
+    monitors = [
+        HackingMonitor(cfg.monitor, FunctionReward(cfg.monitor.gold), None, mean_over_ranks(r))
+        for r in (0, 1)
+    ]
+    metrics = {"objective/scores": 1.0, "objective/kl": 0.1, "policy/entropy": 2.0}
+    signals = [None, None]
+
+    def rank(r):
+        ro, ref = (
+            fake_rollout(answers[r], [1.0, 2.0], [2, 2]),
+            fake_rollout(refs[r], [0, 0], [2, 2]),
+        )
+        signals[r] = monitors[r].signals(ro, metrics, reference=ref)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    states = [m.state.state_dict() for m in monitors]
+    assert states[0] == states[1]
+    # the reference flattered in 2 of all 4 answers, the gold is the mean of all 4
+    assert states[0]["ref_flattering"] / states[0]["ref_answers"] == pytest.approx(0.5)
+    one = HackingMonitor(cfg.monitor, FunctionReward(cfg.monitor.gold))
+    whole = one.signals(
+        fake_rollout(answers[0] + answers[1], [1.0, 2.0] * 2, [2] * 4),
+        metrics,
+        reference=fake_rollout(refs[0] + refs[1], [0] * 4, [2] * 4),
+    )
+    assert states[0]["gold_ema"] == pytest.approx(one.state.gold_ema)
+    # the ranks' signals averaged (as mean_metrics does next) are the whole batch's
+    for name in ("flattery_excess", "gold", "flattery_rate"):
+        assert (signals[0][name] + signals[1][name]) / 2 == pytest.approx(whole[name]), name
+
+
 def tiny_cfg(tmp_path, *over):
     base = {
         "device": "cpu",

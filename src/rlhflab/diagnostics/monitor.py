@@ -132,8 +132,10 @@ class MonitorState:
     proxy_ema: float | None = None
     best_gold: float = -math.inf
     proxy_at_best: float = -math.inf
-    ref_flattering: int = 0  # reference answers with a flattery phrase, all iterations
-    ref_answers: int = 0
+    # reference answers with a flattery phrase, and all of them, over all iterations (under
+    # torchrun the ranks' mean counts: the ratio is the global share)
+    ref_flattering: float = 0
+    ref_answers: float = 0
     alerts: list[Alert] = field(default_factory=list)
 
     def state_dict(self) -> dict:
@@ -156,9 +158,13 @@ class MonitorState:
 class HackingMonitor:
     """Computes the signals from a scored rollout and applies the configured response."""
 
-    def __init__(self, mc, gold_fn=None, kl_target: float | None = None):
+    def __init__(self, mc, gold_fn=None, kl_target: float | None = None, mean_over_ranks=None):
         self.cfg = mc
         self.gold_fn = gold_fn
+        # dict → dict of each value's mean over the ranks (``DistContext.mean_metrics``):
+        # what the state accumulates must be the same on every rank, since only rank 0's is
+        # checkpointed and every rank reads it back on --resume
+        self.mean_over_ranks = mean_over_ranks or (lambda values: values)
         self.kl_limit = (
             mc.kl_limit if mc.kl_limit is not None else (2.0 * kl_target if kl_target else None)
         )
@@ -180,10 +186,12 @@ class HackingMonitor:
         if reference is not None:
             ref_lengths = reference.response_mask.sum(1).float()
             out["length_ratio"] = float(lengths.mean() / ref_lengths.mean().clamp(min=1))
-            st.ref_flattering += round(
-                flattery_share(reference.responses, mc.phrases) * len(reference.responses)
-            )
-            st.ref_answers += len(reference.responses)
+            n = len(reference.responses)
+            counts = self.mean_over_ranks(
+                {"flattering": round(flattery_share(reference.responses, mc.phrases) * n), "n": n}
+            )  # rank means: their ratio is the global share
+            st.ref_flattering += counts["flattering"]
+            st.ref_answers += counts["n"]
             out["flattery_excess"] = out["flattery_rate"] - st.ref_flattering / st.ref_answers
         if openers is not None:
             out["flattery_opener_ratio"] = opener_ratio(*openers)
@@ -195,7 +203,7 @@ class HackingMonitor:
         if self.gold_fn is not None:
             if gold is None:
                 gold = self.gold_of(rollout.prompts, rollout.responses)
-            gold = gold.float().mean()
+            gold = self.mean_over_ranks({"gold": float(gold.float().mean())})["gold"]
             out["gold"] = float(gold)
             a = mc.smoothing
             st.gold_ema = (

@@ -86,7 +86,9 @@ class PPOWatch:
             # gold: a reward source a Python caller brings, else monitor.gold's function
             if gold is None and cfg.monitor.gold:
                 gold = FunctionReward(cfg.monitor.gold)
-            self.monitor = HackingMonitor(cfg.monitor, gold, cfg.ppo.kl_target)
+            self.monitor = HackingMonitor(
+                cfg.monitor, gold, cfg.ppo.kl_target, mean_over_ranks=ctx.mean_metrics
+            )
         self._reference: tuple[int, Rollout] | None = None  # (iteration, its answers)
         self.kl_sign_warned = False
         self.stop_reason: str | None = None  # set by monitor.response=stop
