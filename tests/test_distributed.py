@@ -317,6 +317,16 @@ def test_settings_that_do_not_fit_two_ranks_are_refused(tmp_path, over, message)
     assert message in done.stderr
 
 
+def test_a_ddp_checkpoint_resumed_under_fsdp_is_refused_before_training(tmp_path):
+    # FSDP reads its full optimiser state by name, DDP's is by position: it trained on and
+    # failed at the next checkpoint
+    run = tmp_path / "run"
+    ranks(2, "run", str(run), "dist.strategy=ddp")
+    done = ranks(2, "run", str(run), "dist.strategy=fsdp", "ppo.iterations=2", fails=True)
+    assert "dist.strategy is 'fsdp', but the checkpoint was written under 'ddp'" in done.stderr
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 1  # nothing trained
+
+
 def test_every_rank_builds_a_whole_preset(tmp_path):
     # transformers 5's save_pretrained writes nothing on ranks other than 0 once
     # torch.distributed is up; a preset built there must still have its model

@@ -231,6 +231,18 @@ def test_resuming_with_other_models_names_the_setting(tmp_path, capsys):
     assert "value_head.safetensors" in line and "written for others" in line, line
 
 
+def test_resuming_a_lora_run_with_another_alpha_is_refused(tmp_path, capsys):
+    # the adapters were trained at scale alpha/r: another alpha is another policy
+    fast = ["ppo.iterations=1", "ppo.epochs=1", "ppo.minibatches=1", "log.checkpoint_every=1"]
+    PPOTrainer(make_cfg(tmp_path, *fast, "model.lora_r=4", "model.lora_alpha=8")).fit()
+    config = str(tmp_path / "run" / "config.yaml")
+    args = ["ppo", "--config", config, "ppo.iterations=2", "--resume"]
+    assert main([*args, "model.lora_alpha=32"]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "model.lora_alpha is 32" in line and "trained with 8" in line, line
+    assert main(args) == 0  # the run's own alpha resumes
+
+
 def test_a_report_name_taken_by_a_folder_is_one_line(tmp_path, capsys):
     run = tmp_path / "ppo"
     (run / "report.html").mkdir(parents=True)

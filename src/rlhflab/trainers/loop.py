@@ -232,6 +232,14 @@ class RunLoop:
                     f"{old[key]!r}: its checkpoints hold other models; resume with the run's "
                     "setting (or start a new run elsewhere)"
                 )
+        adapters = old.get("lora_r") or old.get("critic_lora_r")
+        if adapters and "lora_alpha" in old and old["lora_alpha"] != new.get("lora_alpha"):
+            raise C.CheckpointError(
+                f"--resume: model.lora_alpha is {new.get('lora_alpha')!r}, but {self.run_dir} "
+                f"was trained with {old['lora_alpha']!r}: its adapters would be scaled by "
+                "another alpha/r and the policy would not be the one trained; resume with "
+                "the run's setting"
+            )
 
     def _open_log(self, resume_step: int | None, asked_resume: bool = False):
         if not self.is_main:

@@ -201,6 +201,8 @@ def ppo_state(trainer) -> dict:
     return {
         "iteration": trainer.iteration,
         "world": trainer.ctx.world,
+        # the optimisers' state format: torch's (by position) or FSDP's full one (by name)
+        "strategy": trainer.cfg.dist.strategy if trainer.ctx.enabled else None,
         "optim": update["optim"],
         "sched": update["sched"],
         "kl": trainer.kl_ctl.state_dict(),
@@ -224,6 +226,12 @@ def restore_ppo_state(trainer, s: dict) -> None:
         raise ConfigError(
             f"--resume: the checkpoint was written by {s.get('world', 1)} "
             f"ranks; resume it with the same number, not {ctx.world}"
+        )
+    was, now = s.get("strategy"), trainer.cfg.dist.strategy if ctx.enabled else None
+    if was == "ddp" and now == "fsdp":  # the other way, FSDP's full state loads by position
+        raise ConfigError(
+            "--resume: dist.strategy is 'fsdp', but the checkpoint was written under 'ddp', "
+            "whose optimiser state FSDP cannot read; resume with dist.strategy=ddp"
         )
     trainer.iteration = int(s["iteration"])
     trainer.update.guard.load_state_dict(s)
