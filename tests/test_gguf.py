@@ -5,6 +5,7 @@ logits and token ids; every refusal is exit 2 and one line naming the file."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -193,3 +194,19 @@ def test_importing_rlhflab_does_not_import_gguf():
         "assert 'gguf' not in sys.modules, 'gguf imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_weights_that_de_quantise_to_nan_are_refused(built, tmp_path, capsys):
+    # a damaged block de-quantises to NaN: written, it met the user as NaN logits later
+    from safetensors.torch import load_file, save_file
+
+    source, _, _ = built
+    damaged = shutil.copytree(source, tmp_path / "damaged")
+    state = load_file(damaged / "model.safetensors")
+    state["model.layers.0.mlp.up_proj.weight"][1, :4] = float("nan")
+    save_file(state, damaged / "model.safetensors", metadata={"format": "pt"})
+    path = write_gguf(damaged, tmp_path / "nan.gguf")
+    code, errors = _run(capsys, path, tmp_path / "out")
+    assert code == 2 and len(errors) == 1 and str(path) in errors[0], errors
+    assert "model.layers.0.mlp.up_proj.weight de-quantises to 4 NaN" in errors[0], errors[0]
+    assert not (tmp_path / "out").exists()

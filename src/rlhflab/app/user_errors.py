@@ -17,6 +17,9 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from rlhflab.infra.runlog import RunLogError
 
     errors += [CheckpointError, RunLogError]  # a run directory damaged past resuming
+    from rlhflab.experience.sampling import UndrawableLogits
+
+    errors.append(UndrawableLogits)  # NaN logits: said in one line, with what to try
     try:
         from rlhflab.experience.data import DataError
 

@@ -216,6 +216,12 @@ def draw_tokens(logits: torch.Tensor, generator, sampler: str = "multinomial") -
         raise
 
 
+class UndrawableLogits(ValueError):
+    """Logits no sampler can draw from: a user error the command line says in one line (a
+    model whose arithmetic overflows in its dtype, or sampling settings that filter out
+    every token), not a bug to trace."""
+
+
 def _refuse_undrawable(top: torch.Tensor) -> None:
     """Refuse rows that no sampler can draw from, by each row's largest logit ``top``
     (B,): NaN or +inf anywhere, or every token filtered out (all -inf)."""
@@ -223,11 +229,14 @@ def _refuse_undrawable(top: torch.Tensor) -> None:
         return
     bad = int((~torch.isfinite(top)).nonzero()[0, 0])
     if top[bad] == float("-inf"):
-        raise ValueError(
+        raise UndrawableLogits(
             f"draw_tokens: every token of row {bad} is filtered out (all logits -inf); "
             "nothing is left to draw from"
         )
-    raise ValueError(f"draw_tokens: the logits of row {bad} hold NaN or +inf")
+    raise UndrawableLogits(
+        f"draw_tokens: the logits of row {bad} hold NaN or +inf (the model's arithmetic "
+        "overflowed: try model.compute_dtype=fp32, or check the model's weights)"
+    )
 
 
 def _stop_test(eos_id, device):

@@ -26,7 +26,7 @@ from rlhflab.models.loading import (
     resolve_path,
 )
 from rlhflab.models.precision import autocast_dtype
-from rlhflab.models.prepare import require_fp32_trainable
+from rlhflab.models.prepare import refuse_nonfinite_weights, require_fp32_trainable
 
 KINDS = ("causal", "classifier", "critic")
 
@@ -86,6 +86,7 @@ def load_model(
             trained_head_for=trained_head_for,
             **common,
         )
+    refuse_nonfinite_weights(model, path)
     # every model a command loads, trained or frozen (eval, compare, demo included)
     set_attention_fp32_on_cpu(options.cpu_attention_fp32, [model])
     return prepare_trained(model, options) if trained else model

@@ -127,6 +127,13 @@ def _load_with_transformers(path: Path, info: dict):
     packed = [n for n, t in model.state_dict().items() if not t.dtype.is_floating_point]
     if packed:
         raise GGUFError(f"{cannot} unpack its weights ({packed[0]} stayed packed)")
+    for name, t in model.state_dict().items():  # a damaged block de-quantises to NaN or inf
+        bad = int((~torch.isfinite(t)).sum())
+        if bad:
+            raise GGUFError(
+                f"{path}: damaged: {name} de-quantises to {bad} NaN or infinite values of "
+                f"{t.numel()}; nothing written"
+            )
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), **where)
     except errors as exc:

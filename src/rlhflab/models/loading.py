@@ -19,9 +19,11 @@ from rlhflab.models.forward import contiguous_head_input
 from rlhflab.models.prepare import (
     ModelLoadError,
     check_weight_files,
+    config_errors,
     disable_dropout,
     first_line,
     hf_load,
+    load_error_reason,
 )
 from rlhflab.models.presets import preset_path
 from rlhflab.models.text import leading_special_ids, record_stop_ids
@@ -136,9 +138,9 @@ def load_tokenizer(
 
     try:
         tok = TokenizerClass.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as exc:
+    except config_errors() as exc:  # AutoTokenizer reads config.json too
         raise ModelLoadError(
-            f"{path}: the tokenizer cannot be loaded ({first_line(exc)})"
+            f"{path}: the tokenizer cannot be loaded ({load_error_reason(exc)})"
         ) from None
     if tok.eos_token_id is None:
         raise ModelLoadError(f"{path}: the tokenizer has no EOS token; answers could never end")
@@ -201,6 +203,10 @@ def _load_native(path, kind: str, tokenizer, **kwargs):
         model = load_native(path, kind, **kwargs)
     except NativeConfigError as exc:
         raise ModelLoadError(str(exc)) from None
+    except RuntimeError as exc:  # load_state_dict: config.json disagrees with the weights
+        raise ModelLoadError(
+            f"{path}: config.json does not match the saved weights ({load_error_reason(exc)})"
+        ) from None
     # where it came from, as transformers' configs keep it (never saved: "_" fields are not)
     model.config._name_or_path = str(path)
     _fit_vocab(model, tokenizer, path)

@@ -78,6 +78,20 @@ def require_fp32_trainable(model: nn.Module, what: str) -> nn.Module:
     return model
 
 
+def refuse_nonfinite_weights(model: nn.Module, path) -> None:
+    """Refuse a model whose weights hold NaN or inf (a damaged file, a run that diverged),
+    naming the first such tensor: otherwise the first anyone hears of it is NaN logits in
+    sampling, far from the cause."""
+    for name, t in model.state_dict().items():
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.is_meta:
+            continue
+        if not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise ModelLoadError(
+                f"{path}: damaged weights: {name} holds {bad} NaN or infinite values of {t.numel()}"
+            )
+
+
 def first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
@@ -116,17 +130,51 @@ def hf_load(auto_class, path, trust_remote_code: bool, fields: dict, **kwargs):
     from safetensors import SafetensorError
 
     quiet_transformers()
+    errors = (*config_errors(), RuntimeError, SafetensorError)
     try:
         config = hf_config(path, trust_remote_code, **fields)
-        return auto_class.from_pretrained(
+        # mismatched shapes are refused below, each named (transformers' own error points
+        # at a load report that its quietened logging never shows)
+        model, info = auto_class.from_pretrained(
             path,
             config=config,
             trust_remote_code=trust_remote_code,
             output_loading_info=True,
+            ignore_mismatched_sizes=True,
             **kwargs,
         )
-    except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
-        raise ModelLoadError(f"{path}: the model cannot be loaded ({first_line(exc)})") from None
+    except errors as exc:
+        raise ModelLoadError(
+            f"{path}: the model cannot be loaded ({load_error_reason(exc)})"
+        ) from None
+    mismatched = list(info.get("mismatched_keys") or ())
+    if mismatched:
+        name, saved, wanted = mismatched[0]
+        raise ModelLoadError(
+            f"{path}: config.json does not match the saved weights: {name} is "
+            f"{tuple(saved)} in the file but {tuple(wanted)} by the config "
+            f"({len(mismatched)} tensors differ)"
+        )
+    return model, info
+
+
+def config_errors() -> tuple[type[BaseException], ...]:
+    """What transformers raises on a folder whose config.json it refuses: its configs'
+    field checks (huggingface_hub's strict dataclasses, e.g. a hidden size that is not a
+    multiple of the heads) are not ValueErrors."""
+    from huggingface_hub.errors import StrictDataclassError
+
+    return (OSError, ValueError, StrictDataclassError)
+
+
+def load_error_reason(exc: BaseException) -> str:
+    """The line of a load error that says what is wrong: a size mismatch if one is named
+    (torch lists hundreds), a config check's own message, else the first line."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    for ln in lines:
+        if ln.startswith(("size mismatch", "ValueError:")):
+            return ln.removeprefix("ValueError: ")
+    return first_line(exc)
 
 
 def restore_dropout(folder: str | Path, model) -> None:
