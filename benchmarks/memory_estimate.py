@@ -23,7 +23,8 @@ import torch
 
 from rlhflab import models as M
 from rlhflab.config import load_config
-from rlhflab.diagnostics.memory import cast_memory, estimated_peak, iteration_memory
+from rlhflab.diagnostics.memory import cast_memory, iteration_memory
+from rlhflab.diagnostics.memory_format import estimated_peak
 from rlhflab.diagnostics.tensor_bytes import NewStorages, optimizer_held_bytes
 from rlhflab.models.presets import preset_path
 from rlhflab.trainers.ppo import PPOTrainer

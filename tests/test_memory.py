@@ -14,11 +14,10 @@ from rlhflab.diagnostics.memory import (
     PhaseMemory,
     cache_positions,
     cast_memory,
-    estimated_peak,
-    format_iteration,
     iteration_memory,
     kv_cache_bytes,
 )
+from rlhflab.diagnostics.memory_format import estimated_peak, format_iteration
 from rlhflab.diagnostics.tensor_bytes import (
     NewStorages,
     forward_backward_bytes,
@@ -218,3 +217,24 @@ def test_the_models_table_needs_no_reward_setting(nano_rm, capsys):
     out = capsys.readouterr().out
     rows = [line.split()[0] for line in out.splitlines() if line[:1].isalpha()]
     assert "none set" not in out and "reward" in rows
+
+
+def test_a_forward_that_cannot_fit_is_refused_not_measured(monkeypatch, capsys):
+    # measuring it would allocate it: a config asked about because it may not fit took the
+    # machine down (100,000 prompts in one minibatch)
+    from rlhflab.app.cli import main
+    from rlhflab.diagnostics import memory
+
+    monkeypatch.setattr(memory, "free_bytes", lambda device: 2**20)  # 1 MiB free
+    sizes = ["model.policy=preset:nano", "rollout.max_new_tokens=8"]
+    assert main(["memory", *sizes, "rollout.prompts_per_iteration=256"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    # the scoring micro-batch (32 x 8 tokens x 438 ids x 4 bytes) fits; one minibatch of 256 not
+    assert err.startswith("error: ppo.minibatches: one forward over 256 answers"), err
+    assert "raise it, or set ppo.micro_batch_size" in err
+    over = [*sizes, "ppo.micro_batch_size=128", "rollout.score_micro_batch=4"]
+    assert main(["memory", *over, "rollout.prompts_per_iteration=256"]) == 2
+    assert "error: ppo.micro_batch_size: one forward over 128" in capsys.readouterr().err
+    over = [*sizes, "rollout.score_micro_batch=128", "rollout.prompts_per_iteration=256"]
+    assert main(["memory", *over]) == 2  # scoring is measured first
+    assert "error: rollout.score_micro_batch: one forward over 128" in capsys.readouterr().err

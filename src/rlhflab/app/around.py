@@ -188,14 +188,8 @@ def _no_reward(prompts, responses):
 
 def cmd_memory(args) -> int:
     from rlhflab.config import load_config
-    from rlhflab.diagnostics.memory import (
-        cast_memory,
-        format_iteration,
-        format_table,
-        iteration_memory,
-        not_counted,
-        peak_rss_bytes,
-    )
+    from rlhflab.diagnostics.memory import cast_memory, iteration_memory, peak_rss_bytes
+    from rlhflab.diagnostics.memory_format import format_iteration, format_table, not_counted
     from rlhflab.experience.cast import build_cast
     from rlhflab.experience.rewards import CallableReward
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from rlhflab.backends import weight_cast
+from rlhflab.config.base import ConfigError
 from rlhflab.core import algorithms as A
 from rlhflab.diagnostics.tensor_bytes import forward_backward_bytes, held_by
 from rlhflab.experience.opener import PromptCaches, opener_logprobs, prompt_prefixes
@@ -73,30 +74,6 @@ def cast_memory(cast) -> list[ModelMemory]:
     return rows
 
 
-def format_table(rows: list[ModelMemory], peak: int | None = None) -> str:
-    mib = 1024 * 1024
-    kept = any(r.kept_casts for r in rows)  # a column only where a model keeps copies
-    names = ["weights", *(["16-bit"] if kept else []), "grads", "optimizer", "total"]
-    lines = [f"{'model':<10} " + " ".join(f"{n:>10}" for n in names) + "  (MiB)"]
-
-    def cells(name, parts) -> str:
-        return f"{name:<10} " + " ".join(f"{b / mib:>10.2f}" for b in parts)
-
-    def parts(r) -> list[int]:
-        return [r.weights, *([r.kept_casts] if kept else []), r.gradients, r.optimizer, r.total]
-
-    lines += [cells(r.name, parts(r)) for r in rows]
-    lines.append(cells("total", [sum(col) for col in zip(*(parts(r) for r in rows))]))
-    if kept:
-        lines.append(
-            "16-bit: the copies of trained models' weights (a LoRA base's too) kept between "
-            "forwards (model.cast_cache)"
-        )
-    if peak is not None:
-        lines.append(f"measured peak resident memory while building: {peak / mib:.1f} MiB")
-    return "\n".join(lines)
-
-
 # ----------------------------------------------------------------- what one iteration adds
 
 
@@ -139,6 +116,39 @@ def _lm_config(model):
     lm = getattr(model, "lm", model)  # PolicyWithValueHead
     base = getattr(lm, "get_base_model", None)  # peft
     return (base() if base else lm).config
+
+
+def free_bytes(device) -> int | None:
+    """Memory that ``device`` can still give: the GPU's free bytes, or Linux's
+    ``MemAvailable``; None where neither can be read."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def refuse_unmeasurable(
+    rows: int, answer_tokens: int, vocab: int, field: str, fix: str, device
+) -> None:
+    """A forward over ``rows`` answers whose fp32 log-probabilities (rows x answer tokens x
+    vocabulary, a lower bound of what it holds) would not fit the free memory cannot be
+    measured: refused naming ``field``, the setting that sets ``rows``."""
+    need, free = 4 * rows * answer_tokens * vocab, free_bytes(device)
+    if free is not None and need > free:
+        gib = 2**30
+        raise ConfigError(
+            f"{field}: one forward over {rows} answers holds at least {need / gib:.1f} GiB "
+            f"(fp32 log-probabilities of {rows} x {answer_tokens} tokens x {vocab} "
+            f"vocabulary), more than the {free / gib:.1f} GiB free here: it does not fit "
+            f"(not measured, which would take the machine down); {fix}"
+        )
 
 
 def _itemsize(model) -> int:
@@ -187,6 +197,19 @@ def iteration_memory(cast, cfg) -> list[PhaseMemory]:
         seqs = torch.randint(0, lm_cfg.vocab_size, (batch, P + T), generator=gen)
         return seqs.to(cast.device), torch.ones_like(seqs, device=cast.device)
 
+    # measured at the configured shapes: refused first where a forward's log-probabilities
+    # alone would not fit the memory free now (it would take the machine down instead)
+    micro = p.micro_batch_size or n // p.minibatches
+    training = (
+        ("ppo.micro_batch_size", "lower it")
+        if p.micro_batch_size
+        else ("ppo.minibatches", "raise it, or set ppo.micro_batch_size")
+    )
+    for rows, (name, fix) in (
+        (min(r.score_micro_batch, n), ("rollout.score_micro_batch", "lower it")),
+        (micro, training),
+    ):
+        refuse_unmeasurable(rows, T, lm_cfg.vocab_size, name, fix, cast.device)
     seqs, mask = ids(min(r.score_micro_batch, n))
     b = len(seqs)  # random ids: b distinct prompts, the worst case of the probe
     mc = cfg.monitor
@@ -226,7 +249,6 @@ def iteration_memory(cast, cfg) -> list[PhaseMemory]:
         what += " (+ prompt caches kept for the opener probe)"
     rows.append(PhaseMemory("scoring", what, max(policy_peak, ref_peak), True))
 
-    micro = p.micro_batch_size or n // p.minibatches
     accumulating = micro < n // p.minibatches  # gradient accumulation over micro-batches
     train_seqs, train_mask = ids(micro)
     tokens = f"{micro} x {P + T} tokens"
@@ -322,65 +344,4 @@ def _kept_per_prompt(cast, prompts: torch.Tensor) -> list[tuple[str, int]]:
             part, held, _ = held_by(lambda m=model: list(prompt_prefixes(m, prompts, ones, 10**9)))
         out.append((role, held // len(prompts)))
         del part
-    return out
-
-
-def estimated_peak(models: list[ModelMemory], phases: list[PhaseMemory]) -> tuple[int, str]:
-    """The iteration's peak of tensors and the phase it falls in: weights and AdamW moments
-    always (and kept 16-bit weight copies), the gradients of the models that have them in a
-    phase, plus the phase's own bytes."""
-    always = sum(m.weights + m.kept_casts + m.optimizer for m in models)
-    grads = {m.name: m.gradients for m in models}
-    peaks: dict[str, int] = {}
-    with_grads: dict[str, set[str]] = {}
-    for row in phases:
-        peaks[row.phase] = peaks.get(row.phase, always) + row.bytes
-        with_grads.setdefault(row.phase, set()).update(row.gradients_of)
-    for phase, names in with_grads.items():
-        peaks[phase] += sum(grads.get(name, 0) for name in names)
-    largest = max(peaks, key=peaks.get)
-    return peaks[largest], largest
-
-
-def format_iteration(phases: list[PhaseMemory], models: list[ModelMemory]) -> str:
-    """The phases' table and the peak they imply (:func:`estimated_peak`)."""
-    mib = 1024 * 1024
-    lines = ["", "what one iteration adds, worst case (MiB; * measured on the built models):"]
-    for r in phases:
-        mark = "*" if r.measured else " "
-        lines.append(f"{r.phase:<10} {r.bytes / mib:>10.2f}{mark} {r.what}")
-    peak, largest = estimated_peak(models, phases)
-    grads = sorted({name for r in phases if r.phase == largest for name in r.gradients_of})
-    with_grads = f", {' and '.join(grads)} gradients" if grads else ""
-    lines.append(
-        f"estimated peak of tensors: {peak / mib:.2f} MiB, in {largest} (weights and AdamW "
-        f"moments{with_grads} + {largest}); the process adds its libraries and allocator slack"
-    )
-    if largest == "monitor":
-        lines.append(
-            "the monitor's opener probe keeps the prompts' KV cache of policy and reference "
-            "until it runs, then extends one rollout.score_micro_batch of them by the "
-            "phrases' tokens: a smaller rollout.score_micro_batch, fewer monitor.phrases or "
-            "monitor.flattery_opener_ratio=null lowers it"
-        )
-    return "\n".join(lines)
-
-
-def not_counted(cast, cfg) -> list[str]:
-    """What the estimate leaves out for this config, one line each (said, not guessed)."""
-    out = []
-    if cfg.reward.refresh_every:
-        params = sum(
-            p.numel()
-            for name, model in cast.models().items()
-            if name.startswith("reward")
-            for p in model.parameters()
-        )
-        out.append(
-            f"not counted: reward.refresh_every={cfg.reward.refresh_every} fine-tunes the reward "
-            f"model(s) every N iterations — at least {params * 12 / 1024**2:.2f} MiB of "
-            "gradients and AdamW moments (fp32, 12 bytes a parameter), plus the forward and "
-            f"backward of reward.refresh_batch_size={cfg.reward.refresh_batch_size} pairs; "
-            "measure it with a short run (memory/peak_mib)"
-        )
     return out
