@@ -82,7 +82,7 @@ def test_a_study_rerun_as_another_experiment_is_refused():
     two experiments' trials silently (and the report read the new space only)."""
     import optuna
 
-    from rlhflab.app.sweep import keep_one_experiment
+    from rlhflab.app.sweep_study import keep_one_experiment
 
     base = to_dict(load_config(reward_given=True))
     space = check_space({"ppo.lr": {"low": 1e-6, "high": 1e-4}}, base)
@@ -112,6 +112,34 @@ def test_a_storage_that_is_no_database_url_is_one_line(tmp_path, capsys):
     assert "--storage 'notaurl': not a database URL" in capsys.readouterr().err
 
 
+def test_a_storage_optuna_cannot_open_is_one_line(tmp_path, capsys):
+    config = write_config(tmp_path)
+    args = ["sweep", "--config", str(config), "--trials", "1", "--storage", "foo://bar"]
+    assert main([*args, "--out", str(tmp_path / "sw")]) == 2
+    err = capsys.readouterr().err
+    assert "--storage 'foo://bar': cannot be opened" in err and "Traceback" not in err
+
+
+def test_a_preset_and_a_config_together_are_refused(tmp_path, capsys):
+    config = write_config(tmp_path)
+    args = ["sweep", "--config", str(config), "--preset", "quick", "--trials", "1"]
+    assert main([*args, "--out", str(tmp_path / "sw")]) == 2
+    assert "give --config FILE or --preset NAME, not both" in capsys.readouterr().err
+    assert not (tmp_path / "sw").exists()
+
+
+def test_a_trial_the_trainer_refuses_is_one_line_and_replaced(tmp_path, capsys, caplog):
+    # 8 prompts do not split into 3 minibatches: the trainer refuses those draws
+    config = write_config(tmp_path, space={"ppo.minibatches": {"choices": [1, 3]}})
+    out = tmp_path / "sw"
+    with caplog.at_level("WARNING"):
+        assert main(["sweep", "--config", str(config), "--trials", "2", "--out", str(out)]) == 0
+    said = caplog.text + capsys.readouterr().err
+    states = [t["state"] for t in trials(out)]
+    assert states.count("complete") == 2 and "fail" in states  # seeded: TPE draws 3
+    assert "trial 0 failed: ppo.minibatches" in said and "Traceback" not in said, said
+
+
 def test_the_objective_is_gold_or_proxy_less_kl_over_the_budget():
     m = {"monitor/gold": 0.5, "objective/scores": 2.0, "objective/kl": 6.0}
     assert iteration_objective(m, True, None, 0.1) == 0.5
@@ -120,7 +148,7 @@ def test_the_objective_is_gold_or_proxy_less_kl_over_the_budget():
     assert iteration_objective(m, True, 8.0, 0.1) == 0.5
 
 
-def test_a_sweep_runs_its_trials_and_a_rerun_continues_the_study(tmp_path, monkeypatch):
+def test_a_sweep_runs_its_trials_and_a_rerun_continues_the_study(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     config = write_config(tmp_path)
     assert main(["sweep", "--config", str(config), "--trials", "3", "--out", "sw"]) == 0
@@ -140,6 +168,16 @@ def test_a_sweep_runs_its_trials_and_a_rerun_continues_the_study(tmp_path, monke
     assert again[:3] == first  # the finished trials were not run again
     # the restarted sampler does not replay the first start's stream
     assert again[3]["params"] != first[0]["params"]
+    # the folder is that study's: another one there (another --name, or a config file of
+    # another name) would overwrite its trial folders and best.yaml
+    best_before = (tmp_path / "sw/best.yaml").read_text()
+    other = tmp_path / "sw2.yaml"
+    other.write_text(config.read_text())
+    for args in (["--config", str(config), "--name", "other"], ["--config", str(other)]):
+        assert main(["sweep", *args, "--trials", "1", "--out", "sw"]) == 2
+    assert "sw holds study 'sw'" in capsys.readouterr().err
+    assert (tmp_path / "sw/best.yaml").read_text() == best_before
+    assert trials(tmp_path / "sw") == again
 
 
 def test_a_pruned_trial_stops_early_with_a_checkpoint_and_counts(tmp_path, monkeypatch):
@@ -273,7 +311,7 @@ def test_a_preset_sweeps_base_models_are_reused_only_if_trained_as_this_start_as
 
 def test_a_seed_beyond_numpys_makes_a_sampler(tmp_path):
     # rlhflab's seed goes to 2^63 - 1; Optuna's TPE sampler (numpy) refused one over 2^32
-    from rlhflab.app.sweep import open_study
+    from rlhflab.app.sweep_study import open_study
 
     cfg = load_config(base=CONFIG, overrides=[f"seed={2**40}"])
     study = open_study(optuna, f"sqlite:///{tmp_path / 's.db'}", "big-seed", cfg)

@@ -14,22 +14,18 @@ most the trials in flight, and rerunning the command continues the study until i
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import math
 import os
-import socket
 import subprocess
 import sys
-import warnings
-import zlib
 from pathlib import Path
 
+from rlhflab.app.sweep_study import claim_folder, keep_one_experiment, open_study
 from rlhflab.config import (
     DEFAULT_SPACES,
     Config,
     ConfigError,
-    absolute_paths,
     load_config,
     validate,
 )
@@ -179,93 +175,15 @@ def run_trial(trial, base: dict, space: dict, sweep_dir: Path, stage: str) -> fl
     return value
 
 
-def check_storage(url: str) -> None:
-    """A --storage that is no database URL, refused before any worker starts (Optuna would
-    fail deep in SQLAlchemy's URL parser, once per worker)."""
-    if "://" not in url:
-        raise ConfigError(
-            f"--storage {url!r}: not a database URL; give one Optuna can open, such as "
-            "sqlite:///sweep.db or postgresql://user@host/db"
-        )
-
-
-def open_study(optuna, storage: str, name: str, cfg: Config, worker: int = 0, shared=False):
-    """The study (created or continued), with a TPE sampler whose seed differs per worker,
-    per restart and, on a ``shared`` storage (``--storage``), per machine."""
-    s = cfg.sweep
-    check_storage(storage)
-    if storage.startswith(("sqlite", "postgresql", "mysql")):
-        # a trial whose process died (kill -9, a lost machine) stops beating and is marked
-        # failed, so it never counts towards --trials
-        with warnings.catch_warnings():  # heartbeats are "experimental" in Optuna's terms
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            storage = optuna.storages.RDBStorage(storage, heartbeat_interval=30, grace_period=90)
-    if s.pruner == "median":
-        warmup = int(s.prune_warmup * cfg.ppo.iterations)
-        pruner = optuna.pruners.MedianPruner(
-            n_startup_trials=s.prune_after_trials, n_warmup_steps=warmup
-        )
-    else:
-        pruner = optuna.pruners.NopPruner()
-    study = optuna.create_study(
-        storage=storage,
-        study_name=name,
-        direction="maximize",
-        pruner=pruner,
-        load_if_exists=True,
-    )
-    # the sampler's stream: a rerun or another machine must not replay the trials already
-    # in the study, so the seed mixes in how many there are (and, for a shared storage,
-    # the machine and process)
-    seed = cfg.seed + 1000 * worker + len(study.get_trials(deepcopy=False))
-    if shared:
-        seed += zlib.crc32(f"{socket.gethostname()}:{os.getpid()}".encode()) % 1_000_000
-    # numpy's seeds (Optuna's) stop at 2^32; rlhflab's seed goes to 2^63 - 1
-    seed %= 2**32
-    study.sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=s.startup_trials)
-    return study
-
-
-# not compared between starts of a study: changing them changes no trial's objective (the
-# space is compared as check_space resolved it, not as written)
-NOT_COMPARED = (
-    "log",
-    "threads",
-    "device",
-    "dist",
-    "sweep.pruner",
-    "sweep.prune_",
-    "sweep.startup_trials",
-    "sweep.space",
-)
-
-
-def keep_one_experiment(study, space: dict, base: dict) -> None:
-    """A study ranks trials of one search space over one base config. A rerun under the
-    same name that changed either (another space, ppo.iterations, the objective) would rank
-    trials of different experiments together, and the report would read only the new
-    space: refused, naming what changed. Both are recorded in the study when it starts
-    (studies from before this check get them at their next start)."""
-    from rlhflab.trainers.loop import config_changes
-
-    # folders absolute: the same sweep started with --out given another way is the same
-    base = absolute_paths(base)
-    mine = json.loads(json.dumps({"space": space, "base": base}, default=str))
-    recorded = study.user_attrs.get("rlhflab_experiment")
-    if recorded is None:
-        study.set_user_attr("rlhflab_experiment", mine)
-        return
-    changes = [
-        line
-        for line in config_changes(recorded, mine)
-        if not line.removeprefix("base.").startswith(NOT_COMPARED)
-    ]
-    if changes:
-        shown = "; ".join(changes[:4]) + (f" (and {len(changes) - 4} more)" if changes[4:] else "")
-        raise ConfigError(
-            f"sweep: study {study.study_name!r} holds trials of another experiment ({shown}); "
-            "give this one another --name or --out, or rerun with the study's settings"
-        )
+def _trial(trial, base: dict, space: dict, sweep_dir: Path, stage: str) -> float:
+    """:func:`run_trial`, with a trial the trainer refuses (its drawn settings) or whose
+    training halts said in one line and marked failed (NaN: Optuna's failed value), where
+    Optuna's own catch logs a whole traceback for what is a message."""
+    try:
+        return run_trial(trial, base, space, sweep_dir, stage)
+    except (ConfigError, TrainingHalted) as exc:
+        log.warning("trial %d failed: %s", trial.number, exc)
+        return math.nan
 
 
 def finished(optuna, study) -> int:
@@ -299,6 +217,8 @@ def optimise(study, optuna, total: int, objective) -> None:
 def base_config(args) -> tuple[Config, str, Path, str]:
     """(base config, stage, sweep folder, study name) from --config or --preset."""
     overrides = list(args.overrides or [])
+    if args.preset and args.config:  # the preset's own config would silently win
+        raise ConfigError("rlhflab sweep: give --config FILE or --preset NAME, not both")
     if args.preset:
         from rlhflab.app.sweep_preset import preset_base
 
@@ -321,14 +241,14 @@ def run_sweep(args) -> dict:
     base = configbase.to_dict(cfg)
     space = check_space(cfg.sweep.space or DEFAULT_SPACES[stage], base)
     sweep_dir.mkdir(parents=True, exist_ok=True)
+    claim_folder(sweep_dir, name)
     storage = args.storage or f"sqlite:///{(sweep_dir / 'study.db').resolve()}"
-    check_storage(storage)
     # the study (and a new storage's tables) made before any worker opens it: J processes
     # creating one SQLite schema at once can fail in SQLAlchemy's CREATE TABLE
     study = open_study(optuna, storage, name, cfg, args.worker, shared=bool(args.storage))
     keep_one_experiment(study, space, base)
     workers = [] if args.worker else _spawn_workers(args, sweep_dir, storage, name)
-    optimise(study, optuna, args.trials, lambda t: run_trial(t, base, space, sweep_dir, stage))
+    optimise(study, optuna, args.trials, lambda t: _trial(t, base, space, sweep_dir, stage))
     for w in workers:
         w.wait()
     if args.worker:
