@@ -343,3 +343,50 @@ def test_an_unusable_output_folder_is_refused_before_anything_is_written(tmp_pat
         rlhflab.SFTTrainer("preset:nano", data=[("a", " b")] * 4, output_dir=mine)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
     assert [p.name for p in mine.iterdir()] == ["config.json"]
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="log.output_dir: .*file exists and is not a folder"):
+        rlhflab.PPOTrainer("preset:nano", reward=short, prompts=PROMPTS, output_dir="file")
+
+
+def test_a_new_start_never_writes_over_an_earlier_runs_inputs(tmp_path, caplog):
+    # inputs are written when the trainer is built: over the earlier run's, before its
+    # logs were set aside (whose config.yaml then named the new data), even by a start
+    # that was refused and never trained
+    run = tmp_path / "run"
+    first = rlhflab.PPOTrainer(
+        "preset:nano", reward=short, prompts=PROMPTS, overrides=FAST, output_dir=run
+    )
+    first.train()
+    recorded = first.config.data.prompts
+    assert recorded == str(run / "inputs" / "prompts.jsonl")
+    with pytest.raises(ConfigError, match="gold: the gold reward is measured by the monitor"):
+        rlhflab.PPOTrainer(
+            "preset:nano",
+            reward=short,
+            prompts=["Z?"] * 4,
+            gold=short,
+            overrides=FAST,
+            output_dir=run,
+        )
+    later = ["Count to three.", "Name a tree.", "Say goodbye.", "What is 1 + 1?"]
+    second = rlhflab.PPOTrainer(
+        "preset:nano", reward=short, prompts=later, overrides=FAST, output_dir=run
+    )
+    assert second.config.data.prompts != recorded
+    second.train()
+    kept = [json.loads(line)["prompt"] for line in Path(recorded).open()]
+    assert kept == PROMPTS  # what the earlier run's config.yaml (set aside) names
+    (aside,) = run.glob("earlier-*")
+    assert yaml.safe_load((aside / "config.yaml").read_text())["data"]["prompts"] == recorded
+    # resumed without its prompts, the run goes on with its own, not the built-in task's
+    again = rlhflab.PPOTrainer(
+        "preset:nano",
+        reward=short,
+        overrides={**FAST, "ppo.iterations": 3, "log.sample_every": 1},
+        output_dir=run,
+        resume=True,
+    )
+    assert again.config.data.prompts == second.config.data.prompts
+    again.train()
+    rows = [json.loads(line) for line in (run / "samples.jsonl").open()]
+    assert rows and {r["prompt"] for r in rows} <= set(later), rows[:1]

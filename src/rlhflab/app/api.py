@@ -72,9 +72,11 @@ def _callbacks(callbacks) -> list:
     return out
 
 
-def _not_empty(folder: str, field: str) -> None:
+def _check_folder(folder: str, field: str) -> None:
     if not str(folder).strip():  # "" would be the current folder
         raise ConfigError(f"{field}: empty; give a folder")
+    if Path(folder).exists() and not Path(folder).is_dir():
+        raise ConfigError(f"{field}: {folder} exists and is not a folder")
 
 
 class Trainer:
@@ -116,8 +118,8 @@ class Trainer:
         cfg = self.config
         if output_dir is not None:
             cfg.log.output_dir = str(output_dir)
-        _not_empty(cfg.log.output_dir, "log.output_dir")  # before inputs/ is written
-        inputs = Path(cfg.log.output_dir) / "inputs"
+        _check_folder(cfg.log.output_dir, "log.output_dir")  # before inputs/ is written
+        inputs = I.inputs_folder(Path(cfg.log.output_dir), self.resume)
         if model is not None:
             folder = I.model_folder(model, tokenizer, inputs / "policy", "model", self.resume)
             cfg.model.policy = folder
@@ -195,8 +197,7 @@ class PPOTrainer(Trainer):
         rewards = I.apply_rewards(cfg, reward, reward_tokenizer or tokenizer, inputs, resume)
         split = cfg.data.split
         prompt_file = I.rows_file(prompts, inputs / "prompts.jsonl", "prompts", split, I.prompt_row)
-        if prompt_file is not None:
-            cfg.data.prompts = prompt_file
+        I.set_data(cfg, prompt_file, "data.prompts", cfg.log.output_dir, resume)
         if gold is not None and not cfg.monitor.enabled:
             raise ConfigError(
                 "gold: the gold reward is measured by the monitor; set monitor.enabled"
@@ -263,8 +264,7 @@ class DPOTrainer(Trainer):
         inputs = self._run_inputs(output_dir, model, tokenizer)
         split = cfg.data.split
         data = I.rows_file(pairs, inputs / "pairs.jsonl", "pairs", split, I.pair_row)
-        if data is not None:
-            cfg.dpo.data = data
+        I.set_data(cfg, data, "dpo.data", cfg.log.output_dir, resume)
         validate(cfg, self.stage)
         from rlhflab.trainers.dpo import DPOTrainer as Engine
 
@@ -289,9 +289,9 @@ class _ModelOut(Trainer):
         if output_dir is not None:
             section.output_dir = str(output_dir)
         # refused before inputs/ (or a copy of a model object) is written into it
-        _not_empty(section.output_dir, f"{self.stage}.output_dir")
+        _check_folder(section.output_dir, f"{self.stage}.output_dir")
         check_output_folder(self.config, self.stage, Path(section.output_dir))
-        inputs = Path(section.output_dir) / "run" / "inputs"
+        inputs = I.inputs_folder(Path(section.output_dir) / "run", resume)
         if model is None:
             return inputs, current
         return inputs, I.model_folder(model, tokenizer, inputs / "model", "model", resume)
@@ -331,8 +331,7 @@ class SFTTrainer(_ModelOut):
         )
         split = cfg.data.split
         rows = I.rows_file(data, inputs / "sft.jsonl", "data", split, I.sft_row)
-        if rows is not None:
-            cfg.sft.data = rows
+        I.set_data(cfg, rows, "sft.data", Path(cfg.sft.output_dir) / "run", resume)
         validate(cfg, self.stage)
         from rlhflab.trainers.sft import sft_trainer
 
@@ -368,8 +367,7 @@ class RewardTrainer(_ModelOut):
         inputs, cfg.rm.init = self._setup(output_dir, model, tokenizer, resume, cfg.rm.init)
         split = cfg.data.split
         rows = I.rows_file(pairs, inputs / "pairs.jsonl", "pairs", split, I.pair_row)
-        if rows is not None:
-            cfg.rm.data = rows
+        I.set_data(cfg, rows, "rm.data", Path(cfg.rm.output_dir) / "run", resume)
         validate(cfg, self.stage)
         from rlhflab.trainers.rm import rm_trainer
 

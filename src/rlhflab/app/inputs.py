@@ -19,6 +19,7 @@ import math
 import os
 import re
 import shutil
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,51 @@ def is_module(obj) -> bool:
     except ImportError:  # pragma: no cover - torch is a dependency
         return False
     return isinstance(obj, nn.Module)
+
+
+def inputs_folder(parent: Path, resume: bool) -> Path:
+    """Where this start writes what a Python caller passed as objects, in the run folder
+    ``parent``: a resumed run, its newest start's folder (the data it began with); a fresh
+    start, ``inputs/`` — or, where that holds an earlier start's files, ``inputs-<UTC
+    time>/``: writing over them would change the data the earlier run's config.yaml names
+    (its logs and checkpoints are set aside, not its inputs) and, if this start never
+    trains, that run's own, which a resume would then read."""
+    starts = sorted(
+        p for p in parent.glob("inputs*") if p.is_dir() and p.name.split("-")[0] == "inputs"
+    )
+    if resume:
+        return starts[-1] if starts else parent / "inputs"
+    first = parent / "inputs"
+    if not first.is_dir() or not any(first.iterdir()):
+        return first
+    stamp = time.strftime("inputs-%Y%m%d-%H%M%S", time.gmtime())
+    folder, n = parent / stamp, 1
+    while folder.exists():  # two starts within a second
+        n += 1
+        folder = parent / f"{stamp}-{n}"
+    return folder
+
+
+def set_data(cfg: Config, given: str | None, dotted: str, run_dir, resume: bool) -> None:
+    """The data setting ``dotted`` (``data.prompts``, ``dpo.data`` …) set to ``given``; on a
+    resume given none, with the config's unset, the run's own from its config.yaml: else
+    the run would go on with the built-in data instead of what it trained on."""
+    import yaml
+
+    section, key = dotted.split(".")
+    values = getattr(cfg, section)
+    if given is not None or not resume or getattr(values, key) is not None:
+        if given is not None:
+            setattr(values, key, given)
+        return
+    try:
+        saved = yaml.safe_load((Path(run_dir) / "config.yaml").read_text(encoding="utf-8"))
+        recorded = (saved.get(section) or {}).get(key)
+    except (OSError, ValueError, AttributeError, yaml.YAMLError):
+        return  # no record to go on from (the resume's own checks say what is wrong)
+    if recorded is not None:
+        log.info("resuming with the run's own %s: %s", dotted, recorded)
+        setattr(values, key, recorded)
 
 
 def _atomic_dir(final: Path, write: Callable[[Path], None]) -> None:
