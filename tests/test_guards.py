@@ -73,6 +73,13 @@ def test_a_length_head_gets_weight_zero_unless_named():
     assert default_head_weights(["preference", "length"], {}) == {"preference": 1.0, "length": 0.0}
     named = default_head_weights(["preference", "length"], {"length": 0.5})
     assert named == {"preference": 0.0, "length": 0.5}
+    # and the report draws it as PPO weighs it: outside the optimised score, unless named
+    from rlhflab.app.report_sections import head_weights
+
+    names = ["rm/preference", "rm/length", "missing_eos_penalty"]
+    assert head_weights({"reward": {}}, names) == dict(zip(names, [1.0, None, 1.0]))
+    named = head_weights({"reward": {"heads": {"length": 0.5}}}, names)
+    assert named == dict(zip(names, [None, 0.5, 1.0]))
 
 
 class _FakeMember:

@@ -79,6 +79,10 @@ def test_missing_eos_penalty_applies(tmp_path):
     assert not ro.ended.all()  # the random model rarely ends within 3 tokens
     expect = ro.scores - 0.7 * (~ro.ended).float()
     assert m["objective/scores"] == pytest.approx(expect.mean().item(), abs=1e-6)
+    # the parts the report draws add up to the score: the components and the penalty
+    parts = [v for k, v in m.items() if k.startswith("objective/scores/")]
+    assert m["objective/scores/missing_eos_penalty"] < 0
+    assert sum(parts) == pytest.approx(m["objective/scores"], abs=1e-6)
 
 
 def test_ignore_eos_gives_every_answer_full_length(tmp_path):

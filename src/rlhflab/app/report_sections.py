@@ -15,6 +15,8 @@ from rlhflab.app.report_parts import esc, num, table
 from rlhflab.diagnostics.gold_curve import is_finite_number
 from rlhflab.infra.runlog import read_json
 
+LENGTH_HEAD = "length"  # rlhflab.experience.rewards.LENGTH_HEAD (not imported: no torch here)
+
 
 def rm_checks(config: dict, run: Path) -> str:
     """The held-out checks ``rlhflab rm`` wrote beside the run's reward model, found where
@@ -155,7 +157,7 @@ def head_weights(
 ) -> dict[str, float | None]:
     """Each reward component's weight in the optimised score, None for one outside it: a
     reward-model head ``rm/<h>`` is in it when reward.heads names it (or is empty: every
-    head, weight 1); a reward function's parts carry its reward.functions weight (or, for a
+    head but ODIN's ``length``, weight 1); the missing-EOS penalty is, weight 1; a reward function's parts carry its reward.functions weight (or, for a
     Python API callable, its weight in ``python``); a part neither can place counts as in
     it, weight unknown (nan)."""
     reward = config.get("reward") or {}
@@ -165,7 +167,11 @@ def head_weights(
     for name in names:
         if name.startswith("rm/"):
             h = name[3:]
-            out[name] = float(heads[h]) if h in heads else (None if heads else 1.0)
+            # with reward.heads empty, every head but ODIN's length head (weight 0)
+            default = None if heads or h == LENGTH_HEAD else 1.0
+            out[name] = float(heads[h]) if h in heads else default
+        elif name == "missing_eos_penalty":  # reward.missing_eos_penalty, added as it is
+            out[name] = 1.0
         else:
             out[name] = float(functions[name]) if name in functions else float("nan")
     return out

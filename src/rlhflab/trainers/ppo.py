@@ -34,10 +34,10 @@ from rlhflab.infra.distributed import (
     rank_split,
 )
 from rlhflab.models import positions_of
+from rlhflab.trainers import ppo_guards as guards
 from rlhflab.trainers.common import load_prompt_set
 from rlhflab.trainers.loop import RunLoop
 from rlhflab.trainers.ppo_epochs import EpochStats, PPOUpdate
-from rlhflab.trainers.ppo_guards import center_ensemble, par_scores, penalise_missing_eos
 from rlhflab.trainers.ppo_metrics import (
     METRICS,
     answer_kl,
@@ -156,7 +156,9 @@ class PPOTrainer:
         # 1b. the reward ensemble centred on the reference's answers (optional)
         centring = {}
         if self.cfg.reward.ensemble and self.cfg.reward.ensemble_center == "reference":
-            centring = center_ensemble(self.cast, self.watch, self.ctx, rollout, self.iteration)
+            centring = guards.center_ensemble(
+                self.cast, self.watch, self.ctx, rollout, self.iteration
+            )
         # 2. score: old and reference log-probs, values, reward
         t0 = time.perf_counter()
         self._score(rollout, reuse, caches.get("reference"))
@@ -172,11 +174,12 @@ class PPOTrainer:
 
         # 3. missing-EOS penalty; 3b. PAR shaping against the reference's answers (optional)
         penalty = self.cfg.reward.missing_eos_penalty
-        raw_scores = penalise_missing_eos(rollout.scores, rollout.ended, penalty)
+        raw_scores = guards.penalise_missing_eos(rollout.scores, rollout.ended, penalty)
+        eos_part = guards.eos_penalty_part(raw_scores, rollout.scores, penalty)
         scores, shaping = raw_scores, {}
         if self.cfg.reward.shaping == "par":
             args = (rollout, raw_scores, self.iteration, penalty)
-            scores, shaping = par_scores(self.cast, self.watch, *args)
+            scores, shaping = guards.par_scores(self.cast, self.watch, *args)
         # 4. score normalisation (optional) and clipping
         scores = self._normalise(scores)
 
@@ -201,7 +204,7 @@ class PPOTrainer:
         # 9. metrics, the same on every rank, then the monitor's reaction to them (9b)
         metrics = self._metrics(rollout, raw_scores, kl, beta, train, adv.metrics, times)
         metrics = self.ctx.mean_metrics(
-            metrics | shaping | centring
+            metrics | shaping | centring | eos_part
         )  # every rank logs and decides on global means
         metrics.update(self.watch.react(rollout, metrics, openers, self.iteration))
         for cb in self.callbacks:

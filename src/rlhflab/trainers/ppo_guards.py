@@ -54,6 +54,11 @@ def center_ensemble(cast, watch, ctx, rollout: Rollout, iteration: int) -> dict[
     return {"objective/ensemble_offset_range": (offsets.max() - offsets.min()).item()}
 
 
+# the metric of the penalty's mean (≤ 0), beside the reward components' objective/scores/<name>:
+# the parts of objective/scores add up to it (the report draws them together)
+EOS_PART = "objective/scores/missing_eos_penalty"
+
+
 def penalise_missing_eos(scores: torch.Tensor, ended: torch.Tensor, penalty) -> torch.Tensor:
     """Step 3: ``scores`` (B,) less ``penalty`` (reward.missing_eos_penalty; None: off) where
     ``ended`` (B,) bool says no EOS ended the answer; a new tensor."""
@@ -61,6 +66,12 @@ def penalise_missing_eos(scores: torch.Tensor, ended: torch.Tensor, penalty) -> 
     if penalty is not None:
         scores = torch.where(ended, scores, scores - penalty)
     return scores
+
+
+def eos_penalty_part(penalised: torch.Tensor, scores: torch.Tensor, penalty) -> dict:
+    """The penalty's batch mean (≤ 0) as its metric (:data:`EOS_PART`; none with the penalty
+    off): a part of objective/scores, logged beside the reward components."""
+    return {} if penalty is None else {EOS_PART: (penalised - scores).mean().item()}
 
 
 @torch.no_grad()

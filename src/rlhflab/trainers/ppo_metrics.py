@@ -19,6 +19,8 @@ from rlhflab.infra.runlog import read_jsonl
 METRICS = {
     "objective/scores": "mean combined score after the missing-EOS penalty, before normalisation",
     "objective/scores/<name>": "mean of each reward component (each head, each function)",
+    "objective/scores/missing_eos_penalty": "reward.missing_eos_penalty: mean penalty "
+    "(≤ 0) of answers without EOS, the part of objective/scores beside the components",
     "objective/ensemble_std": "reward.ensemble: batch mean of the members' per-answer std "
     "of their weighted head sums (disagreement; monitor.ensemble_spread watches its growth)",
     "objective/ensemble_offset_range": "reward.ensemble_center=reference: largest minus "
