@@ -168,10 +168,10 @@ def test_raise_kl_response_multiplies_beta(tmp_path):
 
 
 def test_raise_kl_once_per_iteration_up_to_the_ceiling(tmp_path):
-    # three signals alert every iteration (entropy, length, repetition thresholds that
+    # three signals alert every iteration (entropy, length, correlation thresholds that
     # always fire), yet β moves once an iteration, and stops at monitor.kl_coef_max
     over = ["monitor.response=raise_kl", "monitor.entropy_ratio=10", "monitor.kl_factor=3"]
-    over += ["monitor.length_ratio=0", "monitor.repeated_ngram_rate=-1", "ppo.iterations=3"]
+    over += ["monitor.length_ratio=0.001", "monitor.reward_length_corr=-1", "ppo.iterations=3"]
     t = PPOTrainer(tiny_cfg(tmp_path, *over, "monitor.kl_coef_max=1.0"))
     t.fit()
     alerts = [json.loads(r) for r in (tmp_path / "run" / "alerts.jsonl").read_text().splitlines()]

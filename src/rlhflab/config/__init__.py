@@ -40,7 +40,12 @@ class Config:
         "without one is an error in every command, not a quiet CPU run.",
         choices=("auto", "cpu", "cuda"),
     )
-    threads: int = setting(0, "torch CPU threads (0 = torch's default).", low=0)
+    threads: int = setting(
+        0,
+        "torch CPU threads (0 = torch's default).",
+        low=0,
+        high=4096,  # torch's limit: int32
+    )
     model: ModelConfig = section(ModelConfig, "The four-model cast.")
     reward: RewardConfig = section(RewardConfig, "Where scores come from.")
     rollout: RolloutConfig = section(RolloutConfig, "Sampling.")

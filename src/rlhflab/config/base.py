@@ -32,13 +32,16 @@ def setting(
     low: float | None = None,
     high: float | None = None,
     low_open: bool = False,
+    hint: str | None = None,
 ) -> Any:
     """Declare a config field with its documentation and constraints.
 
     ``choices``: allowed values. ``low``/``high``: inclusive bounds (``low_open`` makes the
-    lower bound strict, e.g. a learning rate must be > 0).
+    lower bound strict, e.g. a learning rate must be > 0). ``hint``: what a value out of
+    bounds may have meant, added to its error (temperature 0: greedy decoding).
     """
     meta = {"doc": doc, "choices": choices, "low": low, "high": high, "low_open": low_open}
+    meta["hint"] = hint
     if isinstance(default, (list, dict)):
         return dataclasses.field(default_factory=lambda d=default: type(d)(d), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -118,11 +121,12 @@ def _check_bounds(value: Any, meta: dict, name: str) -> None:
     if meta.get("choices") is not None and value not in meta["choices"]:
         raise ConfigError(f"{name}: {value!r} is not one of {list(meta['choices'])}")
     low, high = meta.get("low"), meta.get("high")
+    hint = f" ({meta['hint']})" if meta.get("hint") else ""
     if low is not None and (value < low or (meta.get("low_open") and value == low)):
         rel = ">" if meta.get("low_open") else ">="
-        raise ConfigError(f"{name}: must be {rel} {low}, got {value!r}")
+        raise ConfigError(f"{name}: must be {rel} {low}, got {value!r}{hint}")
     if high is not None and value > high:
-        raise ConfigError(f"{name}: must be <= {high}, got {value!r}")
+        raise ConfigError(f"{name}: must be <= {high}, got {value!r}{hint}")
 
 
 def build(cls: type, data: dict | None, prefix: str = "") -> Any:
@@ -157,6 +161,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if "=" not in text:
         raise ConfigError(f"override {text!r} must look like key.sub=value")
     key, raw = text.split("=", 1)
+    if not key.strip() or any(not part for part in key.strip().split(".")):
+        raise ConfigError(f"override {text!r}: no setting named before '='; write key.sub=value")
     if not raw.strip():
         return key.strip().split("."), ""
     try:

@@ -36,6 +36,7 @@ class RolloutConfig:
         "Sampling temperature; every log-prob in training uses the same one (N+ detail).",
         low=0.0,
         low_open=True,
+        hint="for greedy answers set rollout.top_k=1",
     )
     top_k: int = setting(
         0,
@@ -123,7 +124,9 @@ class PPOConfig:
         "not depend on it: the loss is normalised by the minibatch's global token count.",
         low=1,
     )
-    clip_low: float = setting(0.2, "PPO clip ε below 1 (all sources: 0.2).", low=0.0)
+    clip_low: float = setting(
+        0.2, "PPO clip ε below 1 (all sources: 0.2): the ratio's floor is 1 − ε.", low=0.0, high=1.0
+    )
     clip_high: float | None = setting(
         None, "PPO clip above 1; None = clip_low. DAPO's clip-higher uses 0.28.", low=0.0
     )
