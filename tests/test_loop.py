@@ -55,15 +55,19 @@ def test_runs_to_the_total_logging_each_step_and_checkpointing_on_cadence_and_at
     assert (done.steps, done.stop_reason, done.last) == (5, None, {"loss": 1 / 5})
     assert job.saved == [2, 4, 5]
     assert [r["iteration"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4, 5]
-    assert samples == [4, 4]  # steps 2 and 4, log.samples_per_log each
+    # steps 2 and 4, and the last (a run shorter than log.sample_every had none)
+    assert [r["iteration"] for r in read_jsonl(tmp_path / "samples.jsonl")] == [2, 4, 5]
+    assert samples == [4, 4, 4]  # log.samples_per_log each
     assert yaml.safe_load((tmp_path / "config.yaml").read_text()) == {"seed": 7}
 
 
 def test_a_stop_reason_ends_the_run_with_a_checkpoint(tmp_path):
     job = CountingJob(tmp_path, stop_after=3)
-    done = loop(tmp_path).run(job)
+    done = loop(tmp_path, samples=lambda n: [{"text": "hi"}]).run(job)
     assert (done.steps, done.stop_reason) == (3, "enough")
     assert job.saved == [2, 3]
+    # the answers it stopped on are logged too
+    assert [r["iteration"] for r in read_jsonl(tmp_path / "samples.jsonl")] == [2, 3]
 
 
 def test_step_hooks_see_every_step_the_stopping_one_too_and_can_stop_a_run(tmp_path):

@@ -14,7 +14,7 @@ import yaml
 
 from rlhflab.config import Config, ConfigError, absolute_paths
 from rlhflab.config import base as configbase
-from rlhflab.trainers.loop import config_changes
+from rlhflab.trainers.resume_checks import config_changes
 
 
 def _complete(folder: Path) -> bool:

@@ -116,7 +116,7 @@ def keep_one_experiment(study, space: dict, base: dict) -> None:
     trials of different experiments together, and the report would read only the new
     space: refused, naming what changed. Both are recorded in the study when it starts
     (studies from before this check get them at their next start)."""
-    from rlhflab.trainers.loop import config_changes
+    from rlhflab.trainers.resume_checks import config_changes
 
     # folders absolute: the same sweep started with --out given another way is the same
     base = absolute_paths(base)

@@ -48,7 +48,9 @@ class LogConfig:
     )
     tensorboard: bool = setting(False, "Also write TensorBoard events (needs tensorboard).")
     wandb: bool = setting(False, "Also log to Weights & Biases (needs wandb installed).")
-    sample_every: int = setting(5, "Write sample generations every N iterations.", low=1)
+    sample_every: int = setting(
+        5, "Write sample generations every N iterations, and at the run's last.", low=1
+    )
     samples_per_log: int = setting(4, "How many samples each time.", low=0)
     checkpoint_every: int = setting(10, "Checkpoint every N iterations (and at the end).", low=1)
     keep_last: int = setting(2, "Checkpoints kept; older ones are deleted.", low=1)

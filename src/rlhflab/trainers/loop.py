@@ -38,6 +38,11 @@ from rlhflab.infra import runinfo
 from rlhflab.infra.files import write_text_atomic
 from rlhflab.infra.runlog import RunLog
 from rlhflab.trainers.common import progress
+from rlhflab.trainers.resume_checks import (
+    config_changes,
+    read_recorded_config,
+    refuse_other_models,
+)
 
 log = logging.getLogger(__name__)
 
@@ -127,11 +132,13 @@ class RunLoop:
             for _ in bar:
                 metrics = job.step()
                 job.iteration += 1
-                self._record(runlog, job.iteration, metrics)
+                logged = self._record(runlog, job.iteration, metrics)
                 if hasattr(bar, "set_postfix") and self.postfix is not None:
                     bar.set_postfix(**self.postfix(metrics))
                 asked = _hooks_stop(job, metrics)  # every step, the trainer's last one too
                 reason = job.stop_reason or asked
+                if reason and not logged:  # the answers that the run ends on, too
+                    self._log_samples(runlog, job.iteration)
                 if self._checkpoint_due(job, reason):
                     job.save(job.iteration)
                 if reason:
@@ -209,37 +216,10 @@ class RunLoop:
         if last is None:
             log.info("--resume: no checkpoint in %s; starting fresh", self.run_dir)
             return None
-        self._refuse_other_models()
+        refuse_other_models(self.run_dir, self.config)
         job.load_checkpoint(last)
         log.info("resumed from %s", last)
         return job.iteration
-
-    def _refuse_other_models(self) -> None:
-        """--resume with settings that change which models and tensors a checkpoint holds
-        (a shared value head for a separate critic, LoRA for full weights) cannot load it:
-        said as the setting, not as the missing file it leads to."""
-        saved = self.run_dir / "config.yaml"
-        old = _read_yaml(saved).get("model") if saved.is_file() else None
-        new = self.config.get("model") or {}
-        if not isinstance(old, dict):
-            return
-        for key in STRUCTURE:
-            if "auto" in (old.get(key), new.get(key)):
-                continue  # resolved per run; load_checkpoint names what is then missing
-            if key in old and key in new and old[key] != new[key]:
-                raise C.CheckpointError(
-                    f"--resume: model.{key} is {new[key]!r}, but {self.run_dir} was trained with "
-                    f"{old[key]!r}: its checkpoints hold other models; resume with the run's "
-                    "setting (or start a new run elsewhere)"
-                )
-        adapters = old.get("lora_r") or old.get("critic_lora_r")
-        if adapters and "lora_alpha" in old and old["lora_alpha"] != new.get("lora_alpha"):
-            raise C.CheckpointError(
-                f"--resume: model.lora_alpha is {new.get('lora_alpha')!r}, but {self.run_dir} "
-                f"was trained with {old['lora_alpha']!r}: its adapters would be scaled by "
-                "another alpha/r and the policy would not be the one trained; resume with "
-                "the run's setting"
-            )
 
     def _open_log(self, resume_step: int | None, asked_resume: bool = False):
         if not self.is_main:
@@ -247,7 +227,7 @@ class RunLoop:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         saved = self.run_dir / "config.yaml"
         if resume_step is not None and saved.is_file():
-            changes = config_changes(_read_yaml(saved), self.config)
+            changes = config_changes(read_recorded_config(saved), self.config)
             for line in changes:
                 log.warning("--resume: the config differs from the run's: %s", line)
             kept = self.run_dir / f"config.until-step-{resume_step}.yaml"
@@ -325,13 +305,22 @@ class RunLoop:
                         f"{_OUTPUT.get(self.name, 'log')}.output_dir (or --resume the old one)"
                     )
 
-    def _record(self, runlog, step: int, metrics: dict) -> None:
+    def _record(self, runlog, step: int, metrics: dict) -> bool:
+        """The step's metrics and alerts; its sample answers every log.sample_every steps
+        and at the last (a run shorter than that had none). Whether samples were logged."""
         runlog.metrics(step, metrics)
         if self.alerts is not None:
             runlog.alerts(self.alerts(step))
+        if step % self.log.sample_every == 0 or step == self.total:
+            return self._log_samples(runlog, step)
+        return False
+
+    def _log_samples(self, runlog, step: int) -> bool:
         n = self.log.samples_per_log
-        if self.samples is not None and n and step % self.log.sample_every == 0:
-            runlog.samples(step, self.samples(n))
+        if self.samples is None or not n:
+            return False
+        runlog.samples(step, self.samples(n))
+        return True
 
     def _checkpoint_due(self, job: Job, stop_reason: str | None) -> bool:
         """Every log.checkpoint_every steps, at the last step, and before a stop."""
@@ -379,30 +368,3 @@ def _holds_something(path: Path) -> bool:
     if path.is_dir():
         return any(path.iterdir())
     return path.stat().st_size > 0
-
-
-# model settings that decide which models and tensors a checkpoint holds
-# (a folder setting such as model.critic is not one: an old run recorded it relative)
-STRUCTURE = ("value_model", "critic_lora_r", "lora_r", "lora_targets")
-
-
-def _read_yaml(path: Path) -> dict:
-    try:
-        loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:  # a torn or edited file
-        log.warning("--resume: %s cannot be read (%s); not compared", path, exc)
-        return {}
-    return loaded if isinstance(loaded, dict) else {}
-
-
-def config_changes(old: dict, new: dict, prefix: str = "") -> list[str]:
-    """``key: old → new`` for every dotted setting that differs between two config trees."""
-    out = []
-    for key in sorted(set(old) | set(new), key=str):
-        a, b = old.get(key, "<unset>"), new.get(key, "<unset>")
-        name = f"{prefix}{key}"
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += config_changes(a, b, name + ".")
-        elif a != b:
-            out.append(f"{name}: {a!r} → {b!r}")
-    return out
