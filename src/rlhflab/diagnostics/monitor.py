@@ -52,21 +52,24 @@ DEFAULT_PHRASES = [
     "我很乐意帮助你",
 ]
 
+# what to try, worded for any reward (a reward model's head or a reward function: "that
+# part" is whichever the report's proxy chart shows rising)
 ADVICE = {
     "length_ratio": "answers grow longer than the reference's: raise ppo.kl_coef, add a length "
-    "penalty, or debias the reward model's length preference",
-    "flattery_rate": "flattering phrases spread: the reward model rewards them; retrain it on "
-    "pairs that penalise filler or lower that head's weight",
+    "penalty, or debias the reward's length preference",
+    "flattery_rate": "flattering phrases spread: the reward pays for them; lower the weight of "
+    "the part that does, fix that function, or retrain that reward model on pairs that "
+    "penalise filler",
     "flattery_excess": "the policy flatters more often than the reference on the same prompts: "
-    "the reward model rewards filler; raise ppo.kl_coef, lower that head's weight, or "
-    "retrain the reward model on pairs that penalise it",
+    "the reward pays for filler; raise ppo.kl_coef, lower the weight of the part that pays, "
+    "or fix it (retrain a reward model on pairs that penalise filler)",
     "flattery_opener_ratio": "the policy has grown likelier than the reference to open with "
-    "flattery: the reward model rewards it; raise ppo.kl_coef, lower that head's weight, or "
-    "retrain the reward model on pairs that penalise it",
+    "flattery: the reward pays for it; raise ppo.kl_coef, lower the weight of the part that "
+    "pays, or fix it (retrain a reward model on pairs that penalise filler)",
     "repeated_ngram_rate": "answers repeat themselves: raise ppo.kl_coef or penalise repetition",
-    "reward_length_corr": "reward tracks length: the reward model prefers longer answers",
+    "reward_length_corr": "the reward tracks length: it prefers longer answers",
     "gold_drop": "the gold reward falls while the proxy rises: stop and inspect samples; raise "
-    "ppo.kl_coef or improve the reward model",
+    "ppo.kl_coef or improve the reward",
     "kl_excess": "the policy drifts far from the reference: raise ppo.kl_coef or lower ppo.lr",
     "entropy_ratio": "the policy's entropy collapsed: lower ppo.lr or raise ppo.kl_coef",
     "ensemble_spread": "the reward models disagree more and more: the answers left their "
