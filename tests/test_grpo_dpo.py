@@ -175,6 +175,7 @@ def test_dpo_starts_at_log2_and_learns_the_preferences(tmp_path):
     first = t.step()  # policy == reference: zero implicit rewards, loss log 2
     assert first["loss"] == pytest.approx(0.6931, abs=1e-4)
     assert first["rewards/margin"] == pytest.approx(0.0, abs=1e-6)
+    assert first["rewards/accuracy"] == 0.5  # every pair a tie, each counted half (not 0)
     t.fit()
     rows = read_jsonl(tmp_path / "dpo" / "metrics.jsonl")
     acc = [r["rewards/accuracy"] for r in rows]

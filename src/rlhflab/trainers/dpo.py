@@ -144,7 +144,9 @@ class DPOTrainer:
             "rewards/chosen": rc.mean().item(),
             "rewards/rejected": rr.mean().item(),
             "rewards/margin": (rc - rr).mean().item(),
-            "rewards/accuracy": (rc > rr).float().mean().item(),
+            # a tie counts half: at the first step, the policy still the reference, every
+            # margin is 0 and the accuracy 0.5, not 0 (TRL counts ties as wrong)
+            "rewards/accuracy": ((rc > rr).float() + 0.5 * (rc == rr).float()).mean().item(),
             "lr/policy": self.opt.param_groups[0]["lr"],
         }
 
