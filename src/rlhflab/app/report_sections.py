@@ -223,7 +223,9 @@ def samples_section(
             return head + "<p>No samples logged: log.samples_per_log is 0.</p>"
         if trainer in ("DPO", "SFT", "RM"):
             return head + f"<p>No samples: a {trainer} run samples no answers.</p>"
-        return head + "<p>No samples logged (every log.sample_every iterations, and at the last).</p>"
+        return (
+            head + "<p>No samples logged (every log.sample_every iterations, and at the last).</p>"
+        )
     names = sorted({k for s in samples for k in (s.get("components") or {})})
     weights = head_weights(config, names, python)
     by_it: dict[int, list[dict]] = {}

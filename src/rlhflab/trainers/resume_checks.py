@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from rlhflab.infra import checkpoint as C
+from rlhflab.config import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,8 @@ def config_changes(old: dict, new: dict, prefix: str = "") -> list[str]:
 def refuse_other_models(run_dir: Path, config: dict) -> None:
     """--resume with settings that change which models and tensors a checkpoint holds
     (a shared value head for a separate critic, LoRA for full weights) cannot load it:
-    said as the setting, not as the missing file it leads to."""
+    said as the setting, not as the missing file it leads to; a ConfigError, which every
+    rank meets alike and rank 0 alone says under torchrun."""
     saved = run_dir / "config.yaml"
     old = read_recorded_config(saved).get("model") if saved.is_file() else None
     new = config.get("model") or {}
@@ -54,14 +55,14 @@ def refuse_other_models(run_dir: Path, config: dict) -> None:
         if "auto" in (old.get(key), new.get(key)):
             continue  # resolved per run; load_checkpoint names what is then missing
         if key in old and key in new and old[key] != new[key]:
-            raise C.CheckpointError(
+            raise ConfigError(
                 f"--resume: model.{key} is {new[key]!r}, but {run_dir} was trained with "
                 f"{old[key]!r}: its checkpoints hold other models; resume with the run's "
                 "setting (or start a new run elsewhere)"
             )
     adapters = old.get("lora_r") or old.get("critic_lora_r")
     if adapters and "lora_alpha" in old and old["lora_alpha"] != new.get("lora_alpha"):
-        raise C.CheckpointError(
+        raise ConfigError(
             f"--resume: model.lora_alpha is {new.get('lora_alpha')!r}, but {run_dir} "
             f"was trained with {old['lora_alpha']!r}: its adapters would be scaled by "
             "another alpha/r and the policy would not be the one trained; resume with "
