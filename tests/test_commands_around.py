@@ -336,7 +336,12 @@ def test_a_run_started_with_relative_paths_is_found_from_anywhere(
     assert config["base_model_name_or_path"] == str(work / "models" / "base")
     assert main(["export", run, str(tmp_path / "merged")]) == 0
     assert main(["generate", "--model", run, "--prompts", str(prompts_file)]) == 0
-    assert len((tmp_path / "answers.jsonl").read_text().splitlines()) == len(PROMPTS)
+    first = (tmp_path / "answers.jsonl").read_text()
+    assert len(first.splitlines()) == len(PROMPTS)
+    # a default output never replaces an earlier result (a named --out does)
+    assert main(["generate", "--model", run, "--prompts", str(prompts_file), "seed=5"]) == 0
+    assert (tmp_path / "answers.jsonl").read_text() == first
+    assert len((tmp_path / "answers-2.jsonl").read_text().splitlines()) == len(PROMPTS)
 
 
 def test_export_of_a_native_run_names_the_class_its_config_json_names(tmp_path, capsys):

@@ -66,7 +66,9 @@ def add_parsers(sub, config_args: Callable[[argparse.ArgumentParser], None]) -> 
     _model_args(gen)
     gen.add_argument("--prompts", required=True, help="a prompt file (as data.prompts)")
     gen.add_argument(
-        "--out", default="answers.jsonl", help="default answers.jsonl in the current folder"
+        "--out",
+        help="default answers.jsonl in the current folder (answers-2.jsonl … where that exists: "
+        "a default never replaces a file; a named --out does)",
     )
     config_args(gen)
     ev = sub.add_parser(
@@ -91,9 +93,8 @@ def add_parsers(sub, config_args: Callable[[argparse.ArgumentParser], None]) -> 
     ev.add_argument("--limit", type=int, help="evaluate on the first N prompts only")
     ev.add_argument(
         "--out",
-        default="eval.json",
         help="the summary (JSON; the answers go beside it as .jsonl); default eval.json "
-        "(and eval.jsonl) in the current folder",
+        "(and eval.jsonl) in the current folder, eval-2.json … where those exist",
     )
     config_args(ev)
 
@@ -165,6 +166,7 @@ def cmd_export(args) -> int:
 def cmd_generate(args) -> int:
     from rlhflab.app.answers import run_generate
 
+    args.out = args.out or _unused_name("answers", (".jsonl",))
     s = run_generate(args)
     print(
         f"{s['answers']} answers to {s['prompts']} prompts (seed {s['seed']}, temperature "
@@ -176,10 +178,22 @@ def cmd_generate(args) -> int:
 def cmd_eval(args) -> int:
     from rlhflab.app.answers import format_eval, run_eval
 
+    args.out = args.out or _unused_name("eval", (".json", ".jsonl"))
     summary = run_eval(args)
     print(format_eval(summary))
     print(f"written to {args.out} and {summary['answers_file']}")
     return 0
+
+
+def _unused_name(stem: str, suffixes: tuple[str, ...]) -> str:
+    """The default output in the current folder: ``stem`` with the first of its
+    ``suffixes``, or ``stem-2``, ``stem-3`` … where a file of that name (any suffix)
+    exists: an earlier result is never replaced unasked."""
+    name, n = stem, 1
+    while any(Path(name + suffix).exists() for suffix in suffixes):
+        n += 1
+        name = f"{stem}-{n}"
+    return name + suffixes[0]
 
 
 def _no_reward(prompts, responses):
