@@ -48,3 +48,20 @@ def test_an_override_without_a_setting_name_is_one_line(capsys):
     for bad in ("=5", "ppo..lr=1"):
         assert main(["ppo", REWARD, bad]) == 2
         assert f"override {bad!r}: no setting named before '='" in capsys.readouterr().err
+
+
+def test_lengths_past_the_policys_positions_are_refused_before_any_model_loads(
+    tmp_path, monkeypatch
+):
+    # read from its config.json: SmolLM2 built four models before saying so
+    from rlhflab.trainers import ppo
+
+    def no_models(*args, **kwargs):
+        raise AssertionError("the models were built first")
+
+    monkeypatch.setattr(ppo, "build_cast", no_models)
+    cfg = load_config(
+        overrides=[REWARD, "model.policy=preset:nano", "rollout.max_prompt_tokens=20000"]
+    )
+    with pytest.raises(ConfigError, match=r"rollout.max_new_tokens: .* exceeds the model's"):
+        ppo.PPOTrainer(cfg)

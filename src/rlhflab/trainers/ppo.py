@@ -33,7 +33,7 @@ from rlhflab.infra.distributed import (
     init_distributed,
     rank_split,
 )
-from rlhflab.models import positions_of
+from rlhflab.models import position_limit, positions_of
 from rlhflab.trainers import ppo_guards as guards
 from rlhflab.trainers.common import load_prompt_set
 from rlhflab.trainers.loop import RunLoop
@@ -80,11 +80,13 @@ class PPOTrainer:
         r, p = cfg.rollout, cfg.ppo
         args = (r.prompts_per_iteration, self.ctx.world, p.minibatches, p.micro_batch_size)
         self.minibatch_size = rank_split(*args, self.group_size)
-        # the prompts first, with the policy's tokenizer alone: a bad data file is reported
-        # in seconds, not after four models have been loaded
+        # the prompts first, with the policy's tokenizer alone, and lengths against its
+        # config.json: a bad data file is reported in seconds, not after four models load
         tokenizer = cast.tokenizer if cast is not None else load_policy_tokenizer(cfg)
         self.stream = load_prompt_set(cfg, tokenizer)
         self.stream.batch_size = r.prompts_per_iteration // self.group_size  # distinct prompts
+        limit = positions_of(cast.policy_lm.config) if cast else position_limit(cfg.model.policy)
+        self._check_batch(limit)
         device = self.ctx.device if self.ctx.enabled else None
         self.cast = cast or build_cast(cfg, device, tokenizer, rewards)
         self.device = self.cast.device
@@ -123,7 +125,6 @@ class PPOTrainer:
         self.callbacks: list = []  # called as cb(trainer, rollout, metrics) after step 9
         self.step_hooks: list = []  # hook(iteration, metrics) after it is logged (RunLoop)
         self.last_rollout: Rollout | None = None
-        self._check_batch()
 
     # read-only views of the parts, for callers and tests
     opt = property(lambda self: self.update.guard.opt)
@@ -133,8 +134,8 @@ class PPOTrainer:
     monitor = property(lambda self: self.watch.monitor)
     stop_reason = property(lambda self: self.watch.stop_reason)
 
-    def _check_batch(self) -> None:
-        r, limit = self.cfg.rollout, positions_of(self.cast.policy_lm.config)
+    def _check_batch(self, limit: int | None) -> None:
+        r = self.cfg.rollout
         if limit is not None and r.max_prompt_tokens + r.max_new_tokens > limit:
             raise ConfigError(
                 f"rollout.max_new_tokens: max_prompt_tokens + max_new_tokens = "
