@@ -26,13 +26,14 @@ def test_compare_writes_one_row_per_method_and_the_report_shows_it(tmp_path):
     run = tmp_path / "compare-quick-s3"
     assert table["run_dir"] == str(run)
     rows = {r["method"]: r for r in table["rows"]}
-    assert tuple(rows) == METHODS
+    assert tuple(rows) == ("sft", *METHODS)  # the SFT policy first: the row to beat
     # PPO keeps policy, reference, reward and critic; GRPO/RLOO drop the critic; DPO keeps
     # only policy and reference.
-    assert [rows[m]["models"] for m in METHODS] == [4, 3, 3, 2]
+    assert [rows[m]["models"] for m in ("sft", *METHODS)] == [1, 4, 3, 3, 2]
+    assert rows["sft"]["kl_to_reference"] == 0.0 and rows["sft"]["peak_mib"] is None
     for r in rows.values():
         assert -1.0 <= r["gold"] <= 1.0
-        assert r["wall_s"] > 0 and r["peak_mib"] > 0
+        assert r["wall_s"] > 0 and (r["peak_mib"] or 1) > 0
         assert math.isfinite(r["kl_to_reference"])  # a sampled k1 estimate: may dip below 0
     # equal budget: every online method generated the same number of answers
     counts = {}
@@ -42,9 +43,10 @@ def test_compare_writes_one_row_per_method_and_the_report_shows_it(tmp_path):
         counts[m] = [json.loads(x)["response/count"] for x in lines]
     assert counts["ppo"] == counts["grpo"] == counts["rloo"] == [16.0, 16.0]
     saved = json.loads((run / "compare.json").read_text())
-    assert [r["method"] for r in saved["rows"]] == list(METHODS)
+    assert [r["method"] for r in saved["rows"]] == ["sft", *METHODS]
     table_md = (run / "compare.md").read_text()
     assert "| dpo |" in table_md and "| method | gold | proxy | accuracy |" in table_md
+    assert "| sft |" in table_md and table_md.count("| method |") == 1
     html = (run / "grpo" / "report.html").read_text()
     assert "Methods compared" in html and "rloo" in html
 

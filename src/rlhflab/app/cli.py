@@ -228,7 +228,8 @@ def cmd_compare(args) -> int:
     from rlhflab.app.compare import format_table, run_compare
 
     table = run_compare(args.preset, args.seed, args.out, args.overrides)
-    print(format_table(table))
+    if not table.get("printed"):
+        print(format_table(table))
     print(f"written to {table['run_dir']}/compare.json and compare.md")
     return 0
 

@@ -1,4 +1,5 @@
-"""``rlhflab compare``: PPO, GRPO, RLOO and DPO from the same SFT model, side by side.
+"""``rlhflab compare``: PPO, GRPO, RLOO and DPO from the same SFT model, side by side,
+with the SFT model itself as the first row.
 
 One SFT model and one reward model (the demo's stages), then each method in its own process
 (so each peak-memory figure is its own): PPO, GRPO and RLOO with an equal budget of
@@ -61,10 +62,16 @@ def worker(method: str, config_json: str, eval_prompts: int) -> dict:
     from rlhflab.diagnostics.memory import peak_rss_bytes
     from rlhflab.experience.cast import load_frozen_policy
 
-    cfg = validate(configbase.build(Config, json.loads(config_json)), method)
+    stage = "ppo" if method == "sft" else method  # sft: the PPO config, nothing trained
+    cfg = validate(configbase.build(Config, json.loads(config_json)), stage)
     cfg.log.progress = False
     start = time.perf_counter()
-    if method == "dpo":
+    if method == "sft":  # the SFT policy every method starts from, as a row to beat
+        from rlhflab.experience.cast import load_policy_tokenizer
+
+        tok = load_policy_tokenizer(cfg)
+        policy, models = load_frozen_policy(cfg, tok), 1
+    elif method == "dpo":
         from rlhflab.trainers.dpo import DPOTrainer
 
         trainer = DPOTrainer(cfg)
@@ -82,8 +89,8 @@ def worker(method: str, config_json: str, eval_prompts: int) -> dict:
         )
     wall = time.perf_counter() - start
     # the proxy is the same weighted reward model for every method (DPO never saw it)
-    reward = trainer.cast.reward if method != "dpo" else _reward_only(cfg)
-    sft = load_frozen_policy(cfg, tok)
+    reward = trainer.cast.reward if method not in ("sft", "dpo") else _reward_only(cfg)
+    sft = policy if method == "sft" else load_frozen_policy(cfg, tok)
     prompts = heldout_prompts(eval_prompts, cfg.seed, cfg.data.task)
     result = evaluate_policy(
         policy, sft, tok, prompts, reward, cfg.rollout.max_new_tokens, seed=cfg.seed
@@ -94,8 +101,9 @@ def worker(method: str, config_json: str, eval_prompts: int) -> dict:
         "proxy": result["proxy"],
         "kl_to_reference": result["kl_to_reference"],
         "accuracy": result["accuracy"],
-        "wall_s": wall,
-        "peak_mib": peak_rss_bytes() / 2**20,
+        # the SFT row: its training's seconds (the parent's), no training peak of its own
+        "wall_s": wall if method != "sft" else None,
+        "peak_mib": peak_rss_bytes() / 2**20 if method != "sft" else None,
         "models": models,
     }
 
@@ -138,12 +146,17 @@ def run_compare(
     cfg.log.progress = progress and cfg.log.progress
     # every method's settings checked before SFT and the reward model train (minutes)
     configs = {method: method_config(cfg, method, run) for method in METHODS}
+    configs["sft"] = cfg  # evaluated as it is: the policy the others start from
     sft_cfg = sft_stage_config(preset, seed, Path(out_root), extra)
     sft_cfg.sft.output_dir, sft_cfg.log.progress = cfg.sft.output_dir, cfg.log.progress
+    start = time.perf_counter()
     train_sft(sft_cfg)
+    sft_seconds = time.perf_counter() - start
     train_rm(cfg)
     rows = []
-    for method in METHODS:
+    if progress:  # the rows come as each method finishes: the header first
+        print(format_table({"preset": preset, "seed": seed, "rows": []}), flush=True)
+    for method in ("sft", *METHODS):
         args = [
             sys.executable,
             "-c",
@@ -161,6 +174,8 @@ def run_compare(
         if done.returncode != 0:
             raise RuntimeError(f"compare: {method} failed:\n{done.stderr[-2000:]}")
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        if method == "sft":
+            rows[-1]["wall_s"] = sft_seconds
         if progress:
             print(format_row(rows[-1]), flush=True)
     table = {"preset": preset, "seed": seed, "rows": rows}
@@ -172,6 +187,7 @@ def run_compare(
         if (run / method / "metrics.jsonl").exists():
             build_report(run / method)
     table["run_dir"] = str(run)
+    table["printed"] = progress  # the rows, as they came
     return table
 
 
