@@ -205,3 +205,18 @@ def test_a_lora_critic_run_resumes_bit_identically_and_saves_adapters_and_head(t
     assert saved and all("lora_" in k or k.endswith(("score.weight", "score.bias")) for k in saved)
     trained = [p for p in straight.cast.critic.parameters() if p.requires_grad]
     assert sum(v.numel() for v in saved.values()) == sum(p.numel() for p in trained)
+
+
+def test_the_report_says_a_lora_reference_is_the_policy_with_adapters_off(tmp_path):
+    # it listed "reference model 0 parameters"
+    from pathlib import Path
+
+    from rlhflab.app.report_parts import run_facts
+    from rlhflab.trainers.ppo_metrics import model_sizes
+
+    t = PPOTrainer(make_cfg(tmp_path, "model.lora_r=4"))
+    sizes = model_sizes(t.cast)
+    assert sizes["reference"]["shares_policy"] and sizes["policy"]["trained"] > 0
+    html = run_facts({"models": sizes, "wall_s": 1.0}, [], Path("run"))
+    row = html.split("<td>reference model</td>")[1].split("</tr>")[0]
+    assert "the policy with its LoRA adapters off" in row and "parameters" not in row

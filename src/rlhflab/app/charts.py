@@ -33,10 +33,11 @@ def nice_step(raw: float) -> float:
     return 10 ** (k + 1)
 
 
-def nice_ticks(lo: float, hi: float, target: int = 5) -> list[float]:
+def nice_ticks(lo: float, hi: float, target: int = 5, min_step: float = 0.0) -> list[float]:
     """About ``target`` evenly spaced round values covering [lo, hi] (lo < hi): the first
-    at or below lo, the last at or above it."""
-    step = nice_step((hi - lo) / max(target - 1, 1))
+    at or below lo, the last at or above it; steps of at least ``min_step`` (1 on an axis
+    of whole iterations: no tick at iteration 1.25)."""
+    step = max(nice_step((hi - lo) / max(target - 1, 1)), min_step)
     first = math.floor(lo / step + 1e-9) * step
     n = math.ceil((hi - first) / step - 1e-9)
     return [round(first + i * step, 12) for i in range(n + 1)]
@@ -142,7 +143,8 @@ def render(c: Chart) -> str:
     x0, x1 = (0.0 if c.x_from_zero else min(xs)), max(xs)
     if x1 <= x0:
         x0, x1 = x0 - 1, x1 + 1
-    xticks = [t for t in nice_ticks(x0, x1) if x0 - 1e-9 <= t <= x1 + 1e-9]
+    whole = 1.0 if all(float(x).is_integer() for x in xs) else 0.0  # iterations, trials
+    xticks = [t for t in nice_ticks(x0, x1, min_step=whole) if x0 - 1e-9 <= t <= x1 + 1e-9]
     lo, hi = axis_range(ys, c.include_zero)
     yticks = nice_ticks(lo, hi)
     y0, y1 = yticks[0], yticks[-1]

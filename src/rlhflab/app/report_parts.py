@@ -295,7 +295,10 @@ def run_facts(info: dict | None, rows: list[dict], run: Path) -> str:
         pairs.append(("GPU", info["gpu"]))
     for name, size in (info.get("models") or {}).items():
         n, t = size.get("parameters", 0), size.get("trained", 0)
-        pairs.append((f"{name} model", f"{n:,} parameters ({t:,} trained)"))
+        said = f"{n:,} parameters ({t:,} trained)"
+        if size.get("shares_policy"):
+            said = "the policy with its LoRA adapters off (its weights; none of its own)"
+        pairs.append((f"{name} model", said))
     return table(["", "value"], [[k, "-" if v is None else v] for k, v in pairs])
 
 

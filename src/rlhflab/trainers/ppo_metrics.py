@@ -174,7 +174,10 @@ def model_sizes(cast) -> dict[str, dict[str, int]]:
     """Parameters of each model of the cast, all and trained (a LoRA policy trains few)."""
     out = {}
     for name, model in cast.models().items():
-        params = list(model.parameters()) if hasattr(model, "parameters") else []
+        if not hasattr(model, "parameters"):  # a LoRA reference: the policy, adapters off
+            out[name] = {"parameters": 0, "trained": 0, "shares_policy": True}
+            continue
+        params = list(model.parameters())
         out[name] = {
             "parameters": sum(p.numel() for p in params),
             "trained": sum(p.numel() for p in params if p.requires_grad),
