@@ -65,3 +65,14 @@ def test_lengths_past_the_policys_positions_are_refused_before_any_model_loads(
     )
     with pytest.raises(ConfigError, match=r"rollout.max_new_tokens: .* exceeds the model's"):
         ppo.PPOTrainer(cfg)
+
+
+def test_settings_that_would_do_nothing_are_refused_or_said(caplog):
+    from rlhflab.trainers.runstate import warn_about_settings
+
+    rm = "reward.model=preset:nano"
+    with pytest.raises(ConfigError, match="reward.heads: every weight is 0"):
+        load_config(overrides=[rm, "reward.heads={preference: 0}"])
+    with caplog.at_level("WARNING"):
+        warn_about_settings(load_config(overrides=[rm, "reward.ensemble_combine=uwo"]))
+    assert "reward.ensemble_combine=uwo combines the members of reward.ensemble" in caplog.text

@@ -136,3 +136,21 @@ def test_sample_draws_with_the_sampler_it_is_given(monkeypatch):
         out[name] = sample(lm, ids, mask, 6, None, tok.pad_token_id, generator=gen, sampler=name)[0]
     assert seen == ["multinomial"] * 6 + ["gumbel"] * 6
     assert out["gumbel"].shape == (1, 6) and int(out["gumbel"].max()) < lm.config.vocab_size
+
+
+def test_a_top_k_past_the_vocabulary_is_not_warned_as_truncating(monkeypatch):
+    # it truncates nothing: the warning that PPO becomes off-policy was false
+    import warnings
+
+    from rlhflab.experience import sampling
+
+    path = M.resolve_path("preset:nano")
+    tok = M.load_tokenizer(path)
+    lm = M.load_causal_lm(path, tok)
+    ids, mask = left_pad([tok("a b", add_special_tokens=False)["input_ids"]], tok.pad_token_id)
+    for top_k, warned in ((10**20, False), (lm.config.vocab_size - 1, True)):
+        monkeypatch.setattr(sampling, "_warned_truncated", False)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            sample(lm, ids, mask, 2, None, tok.pad_token_id, top_k=top_k)
+        assert any("top_k/top_p" in str(w.message) for w in seen) == warned, top_k

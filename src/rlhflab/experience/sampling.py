@@ -279,7 +279,9 @@ def sample(
     monitor's opener probe, once sampling is done. ``sampler``: :func:`draw_tokens`.
     """
     global _warned_truncated
-    if (top_k or top_p < 1.0) and not _warned_truncated:
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    cuts = bool(top_k) and not (isinstance(vocab, int) and top_k >= vocab)  # else keeps all
+    if (cuts or top_p < 1.0) and not _warned_truncated:
         warnings.warn(
             "top_k/top_p sampling: training log-probs use the full softmax, so they "
             "differ from the truncated sampling distribution (PPO becomes slightly "

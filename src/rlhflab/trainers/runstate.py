@@ -33,6 +33,12 @@ log = logging.getLogger(__name__)
 
 def warn_about_settings(cfg: Config) -> None:
     """Say which settings work but give a run other than the one their user may expect."""
+    if not cfg.reward.ensemble and cfg.reward.ensemble_combine != "mean":
+        log.warning(
+            "reward.ensemble_combine=%s combines the members of reward.ensemble; this run "
+            "has none, so it does nothing",
+            cfg.reward.ensemble_combine,
+        )
     if cfg.rollout.logprobs_from_sampling and cfg.model.compute_dtype != "fp32":
         # measured by benchmarks/bf16_speedup.py (docs/real-models.md, "Precision")
         log.warning(
