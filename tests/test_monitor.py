@@ -14,6 +14,13 @@ from rlhflab.trainers.ppo import PPOTrainer
 from rlhflab.trainers.ppo_watch import raised_kl_coef
 
 
+def test_the_report_shows_bidirectional_controls_instead_of_obeying_them():
+    # a prompt's right-to-left override reversed the report's text after it
+    from rlhflab.app.report_parts import esc
+
+    assert esc("a\u202eb<c\u2066") == "a[U+202E]b&lt;c[U+2066]"
+
+
 def test_repetition_and_correlation_signals():
     assert repeated_ngram_rate([1, 2, 3, 4], 2) == 0.0
     assert repeated_ngram_rate([1, 2, 1, 2, 1, 2], 2) == pytest.approx(3 / 5)

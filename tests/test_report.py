@@ -314,7 +314,7 @@ def test_a_dpo_run_report_draws_what_it_logged_and_judges_no_reward(tmp_path):
         assert f"<figcaption>{key}</figcaption>" in text, key
     verdict = text.split("<section class='verdict", 1)[1].split("</section>")[0]
     assert "no reward" in verdict and "gold" in verdict and "monitor alert" not in verdict
-    assert "<b>Loss</b>: 0.650 → 0.400" in verdict
+    assert "<b>Loss</b>: 0.650 → 0.525 (the mean of the last 6 steps; 0.400 at" in verdict
     assert "<b>Preference accuracy</b>: 0.550 → 0.800" in verdict
     assert "a DPO run samples no answers" in text and "samples_per_log = 0?" not in text
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import html
 import math
+import re
 from pathlib import Path
 
 from rlhflab.app.tables import COMPARE_COLUMNS, DEMO_COLUMNS, cell
@@ -29,8 +30,14 @@ HACKING_SIGNALS = {
 TOO_FEW_TO_JUDGE = 5
 
 
+# bidirectional overrides and isolates: in a prompt or answer they reverse the text after
+# them on the page (U+202E made "abc" read "cba"), so the report shows them as themselves
+BIDI = re.compile("[\u202a-\u202e\u2066-\u2069]")
+
+
 def esc(v) -> str:
-    return html.escape(str(v))
+    """``v`` as HTML text, its bidirectional control characters shown as ``[U+202E]``."""
+    return BIDI.sub(lambda m: f"[U+{ord(m.group()):04X}]", html.escape(str(v)))
 
 
 def num(v, digits: int = 3) -> str:
@@ -200,13 +207,23 @@ def verdict(rows: list[dict], alerts: list[dict], story: dict, summary: dict | N
     )
 
 
+RECENT = 20  # the steps the commands' own "loss A → B" line averages (Supervised.recent_loss)
+
+
 def _verdict_without_reward(rows: list[dict]) -> str:
     """The verdict of a run that scores no sampled answers (DPO, SFT, a reward model): no
     gold or proxy story to tell; its first and last loss, and a DPO run's accuracy."""
     facts = []
     for key, what in (("loss", "Loss"), ("rewards/accuracy", "Preference accuracy")):
         seen = [r[key] for r in rows if _finite(r.get(key))]
-        if seen:
+        if seen and key == "loss" and len(seen) > 1:
+            # as the command says it: the last 20 steps' mean (one step's loss is noisy)
+            tail = seen[-RECENT:]
+            facts.append(
+                f"<b>{what}</b>: {seen[0]:.3f} → {sum(tail) / len(tail):.3f} (the mean of "
+                f"the last {len(tail)} steps; {seen[-1]:.3f} at the last)"
+            )
+        elif seen:
             facts.append(f"<b>{what}</b>: {seen[0]:.3f} → {seen[-1]:.3f}")
     items = "".join(f"<li>{f}</li>" for f in facts)
     return (

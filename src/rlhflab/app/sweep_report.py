@@ -90,6 +90,13 @@ def write_results(
     return result
 
 
+def _seconds(s: float | None) -> str:
+    """A trial's wall time: tenths below 10 s (a sub-second trial read 0), whole above."""
+    if not s:
+        return "–"
+    return f"{s:.1f}" if s < 10 else f"{s:.0f}"
+
+
 def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
@@ -164,7 +171,7 @@ def render(result: dict) -> str:
     )
     head = "".join(
         f"<th>{html.escape(k)}</th>"
-        for k in ["trial", "state", "objective", "iterations", "s", *keys]
+        for k in ["trial", "state", "objective", "iterations", "seconds", *keys]
     )
     body = "".join(
         "<tr>"
@@ -175,7 +182,7 @@ def render(result: dict) -> str:
                 r["state"],
                 r["value"] if r["value"] is not None else "–",
                 r["iterations"] or "–",
-                round(r["seconds"]) if r["seconds"] else "–",
+                _seconds(r["seconds"]),
                 *(r["params"].get(k, "–") for k in keys),
             ]
         )
