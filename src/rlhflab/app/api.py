@@ -203,13 +203,16 @@ class PPOTrainer(Trainer):
                 "gold: the gold reward is measured by the monitor; set monitor.enabled"
             )
         gold_fn = I.gold_source(cfg, gold)
-        I.note_python_rewards(Path(cfg.log.output_dir), rewards.extra, gold_fn)
         validate(cfg, self.stage, reward_given=bool(rewards.extra))
         from rlhflab.trainers.ppo import PPOTrainer as Engine
 
         self._start(Engine(cfg, rewards=rewards.extra, gold=gold_fn))
+        self._python = (rewards.extra, gold_fn)
 
     def _train(self, resume: bool) -> dict:
+        # recorded when this run trains, not when it is built: a start that is refused or
+        # never trains must leave an earlier run's record (its resume refusal) as it was
+        I.note_python_rewards(Path(self.config.log.output_dir), *self._python)
         return {**self.engine.fit(resume), "output_dir": self.config.log.output_dir}
 
     @property

@@ -43,7 +43,8 @@ def is_module(obj) -> bool:
 
 def inputs_folder(parent: Path, resume: bool) -> Path:
     """Where this start writes what a Python caller passed as objects, in the run folder
-    ``parent``: a resumed run, its newest start's folder (the data it began with); a fresh
+    ``parent``: a resumed run, the folder its config.yaml names (the data it began with;
+    else the newest); a fresh
     start, ``inputs/`` — or, where that holds an earlier start's files, ``inputs-<UTC
     time>/``: writing over them would change the data the earlier run's config.yaml names
     (its logs and checkpoints are set aside, not its inputs) and, if this start never
@@ -51,8 +52,9 @@ def inputs_folder(parent: Path, resume: bool) -> Path:
     starts = sorted(
         p for p in parent.glob("inputs*") if p.is_dir() and p.name.split("-")[0] == "inputs"
     )
-    if resume:
-        return starts[-1] if starts else parent / "inputs"
+    if resume:  # the one the run's config.yaml names (a later refused start made another)
+        named = _named_inputs(parent, starts)
+        return named or (starts[-1] if starts else parent / "inputs")
     first = parent / "inputs"
     if not first.is_dir() or not any(first.iterdir()):
         return first
@@ -62,6 +64,29 @@ def inputs_folder(parent: Path, resume: bool) -> Path:
         n += 1
         folder = parent / f"{stamp}-{n}"
     return folder
+
+
+def _named_inputs(parent: Path, starts: list[Path]) -> Path | None:
+    """The inputs folder among ``starts`` that a path in ``parent``'s config.yaml lies in
+    (its data, its policy's copy), or None."""
+    import yaml
+
+    try:
+        saved = yaml.safe_load((parent / "config.yaml").read_text(encoding="utf-8"))
+    except (OSError, ValueError, yaml.YAMLError):
+        return None
+    values, found = [saved], {p.resolve(): p for p in starts}
+    while values:
+        v = values.pop()
+        if isinstance(v, dict):
+            values += list(v.values())
+        elif isinstance(v, list):
+            values += v
+        elif isinstance(v, str) and "/" in v:
+            for folder in Path(v).resolve().parents:
+                if folder in found:
+                    return found[folder]
+    return None
 
 
 def set_data(cfg: Config, given: str | None, dotted: str, run_dir, resume: bool) -> None:
