@@ -149,7 +149,7 @@ def test_non_finite_float_in_a_yaml_file_is_one_line(tmp_path, capsys):
     )
     assert main(["ppo", "--config", str(cfg)]) == 2
     err = capsys.readouterr().err
-    assert err.strip().splitlines() == ["error: ppo.lr: must be a finite number, got nan"]
+    assert err.strip().splitlines() == [f"error: {cfg}: ppo.lr: must be a finite number, got nan"]
 
 
 def test_a_config_file_that_is_not_utf8_names_the_line(tmp_path):

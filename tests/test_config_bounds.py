@@ -73,6 +73,8 @@ def test_settings_that_would_do_nothing_are_refused_or_said(caplog):
     rm = "reward.model=preset:nano"
     with pytest.raises(ConfigError, match="reward.heads: every weight is 0"):
         load_config(overrides=[rm, "reward.heads={preference: 0}"])
+    # beside reward functions zero weights watch the heads without optimising them
+    load_config(overrides=[rm, "reward.heads={preference: 0}", REWARD])
     with caplog.at_level("WARNING"):
         warn_about_settings(load_config(overrides=[rm, "reward.ensemble_combine=uwo"]))
     assert "reward.ensemble_combine=uwo combines the members of reward.ensemble" in caplog.text

@@ -322,9 +322,15 @@ def test_a_ddp_checkpoint_resumed_under_fsdp_is_refused_before_training(tmp_path
     # failed at the next checkpoint
     run = tmp_path / "run"
     ranks(2, "run", str(run), "dist.strategy=ddp")
-    done = ranks(2, "run", str(run), "dist.strategy=fsdp", "ppo.iterations=2", fails=True)
-    assert "dist.strategy is 'fsdp', but the checkpoint was written under 'ddp'" in done.stderr
-    assert len((run / "metrics.jsonl").read_text().splitlines()) == 1  # nothing trained
+    refused = "dist.strategy is 'fsdp', but the checkpoint was written under 'ddp'"
+    for old in (False, True):
+        if old:  # a checkpoint from before state.pt recorded it: the run's config.yaml says
+            state = run / "checkpoints" / "step-1" / "state.pt"
+            saved = torch.load(state, weights_only=True)
+            torch.save({k: v for k, v in saved.items() if k != "strategy"}, state)
+        done = ranks(2, "run", str(run), "dist.strategy=fsdp", "ppo.iterations=2", fails=True)
+        assert refused in done.stderr
+        assert len((run / "metrics.jsonl").read_text().splitlines()) == 1  # nothing trained
 
 
 def test_every_rank_builds_a_whole_preset(tmp_path):

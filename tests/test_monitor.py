@@ -21,6 +21,11 @@ def test_the_report_shows_bidirectional_controls_instead_of_obeying_them():
     assert esc("a\u202eb<c\u2066") == "a[U+202E]b&lt;c[U+2066]"
 
 
+def test_an_axis_of_whole_iterations_has_no_tick_between_them():
+    two = Chart("t", [Series("a", [(1, 10.0), (2, 20.0)])], "unit").html()  # not 1.25, 1.5
+    assert ">1.25<" not in two and ">1.5<" not in two and ">2<" in two
+
+
 def test_repetition_and_correlation_signals():
     assert repeated_ngram_rate([1, 2, 3, 4], 2) == 0.0
     assert repeated_ngram_rate([1, 2, 1, 2, 1, 2], 2) == pytest.approx(3 / 5)

@@ -266,7 +266,7 @@ def test_cli_reports_user_errors_without_traceback(tmp_path, capsys):
         "ppo: {lr: -1}\nreward: {functions: {'rlhflab.builtin.toy_rewards:cat_reward': 1}}\n"
     )
     assert main(["ppo", "--config", str(cfg)]) == 2
-    assert "error: ppo.lr: must be > 0.0" in capsys.readouterr().err
+    assert f"error: {cfg}: ppo.lr: must be > 0.0" in capsys.readouterr().err  # the file named
 
 
 def test_parquet_prompts_and_memory_command(tmp_path, capsys):

@@ -17,13 +17,12 @@ from rlhflab.trainers.ppo import PPOTrainer
 
 
 def test_ticks_are_round_and_cover_the_range():
-    assert nice_ticks(0, 1) == [0, 0.25, 0.5, 0.75, 1.0] and nice_ticks(3, 41)[-1] == 50
+    assert nice_ticks(0, 1) == [0, 0.25, 0.5, 0.75, 1.0]
+    assert nice_ticks(3, 41) == [0, 10, 20, 30, 40, 50]
     ticks = nice_ticks(-0.93, 1.13)
     assert ticks[0] <= -0.93 and ticks[-1] >= 1.13 and 0 in ticks
     assert tick_label(0.30000000000000004, 0.1) == "0.3" and tick_label(2.5, 2.5) == "2.5"
-    assert nice_ticks(1, 2, min_step=1) == [1, 2]  # whole iterations: no tick at 1.25
-    two = Chart("t", [Series("a", [(1, 10.0), (2, 20.0)])], "unit").html()
-    assert ">1.25<" not in two and ">1.5<" not in two and ">2<" in two
+    assert nice_ticks(1, 2, min_step=1) == [1, 2] and nice_ticks(1, 10, min_step=1)[1] == 5
 
 
 def test_a_flat_series_gets_a_padded_range_and_memory_keeps_zero():

@@ -38,6 +38,8 @@ def nice_ticks(lo: float, hi: float, target: int = 5, min_step: float = 0.0) -> 
     at or below lo, the last at or above it; steps of at least ``min_step`` (1 on an axis
     of whole iterations: no tick at iteration 1.25)."""
     step = max(nice_step((hi - lo) / max(target - 1, 1)), min_step)
+    if min_step >= 1 and not float(step).is_integer():  # 2.5 on an axis of iterations
+        step = float(math.ceil(step / min_step / 5) * 5 * min_step)
     first = math.floor(lo / step + 1e-9) * step
     n = math.ceil((hi - first) / step - 1e-9)
     return [round(first + i * step, 12) for i in range(n + 1)]

@@ -247,6 +247,7 @@ def run_sweep(args) -> dict:
     # creating one SQLite schema at once can fail in SQLAlchemy's CREATE TABLE
     study = open_study(optuna, storage, name, cfg, args.worker, shared=bool(args.storage))
     keep_one_experiment(study, space, base)
+    claim_folder(sweep_dir, name, record=True)
     workers = [] if args.worker else _spawn_workers(args, sweep_dir, storage, name)
     optimise(study, optuna, args.trials, lambda t: _trial(t, base, space, sweep_dir, stage))
     for w in workers:

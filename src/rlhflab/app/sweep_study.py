@@ -16,12 +16,13 @@ from rlhflab.infra.files import write_text_atomic
 from rlhflab.models.prepare import first_line
 
 
-def claim_folder(sweep_dir: Path, name: str) -> None:
+def claim_folder(sweep_dir: Path, name: str, record: bool = False) -> None:
     """A sweep folder holds one study: its trial-NNN folders, sweep.json, best.yaml and
     report.html are that study's. A second study there would overwrite them (its trial 0
     replacing the first's), so it is refused, naming the study the folder holds; the name
-    is recorded in ``study.json`` at the first start (a folder from before has its
-    sweep.json's)."""
+    is recorded in ``study.json`` (``record``: once the study is open and holds this
+    experiment, so that a start refused before then claims nothing; a folder from before
+    has its sweep.json's)."""
     owner = None
     for f, key in ((sweep_dir / "study.json", "study"), (sweep_dir / "sweep.json", "name")):
         try:
@@ -36,7 +37,7 @@ def claim_folder(sweep_dir: Path, name: str) -> None:
             f"best.yaml); study {name!r} there would overwrite them — give it another --out, "
             f"or --name {owner} to continue that study"
         )
-    if owner is None:
+    if owner is None and record:
         write_text_atomic(sweep_dir / "study.json", json.dumps({"study": name}) + "\n")
 
 
@@ -134,5 +135,5 @@ def keep_one_experiment(study, space: dict, base: dict) -> None:
         shown = "; ".join(changes[:4]) + (f" (and {len(changes) - 4} more)" if changes[4:] else "")
         raise ConfigError(
             f"sweep: study {study.study_name!r} holds trials of another experiment ({shown}); "
-            "give this one another --name or --out, or rerun with the study's settings"
+            "give this one another --name and --out, or rerun with the study's settings"
         )

@@ -221,7 +221,8 @@ def validate(cfg: Config, stage: str = "ppo", reward_given: bool = False) -> Con
         raise ConfigError("reward: set reward.model, reward.ensemble or reward.functions")
     if rw.heads and not (rw.model or rw.ensemble):
         raise ConfigError("reward.heads: head weights need reward.model or reward.ensemble")
-    if rw.heads and not any(rw.heads.values()):
+    if rw.heads and not any(rw.heads.values()) and not (rw.functions or reward_given):
+        # (with functions, zero weights watch the heads without optimising them)
         raise ConfigError("reward.heads: every weight is 0, so the reward is constant")
     check_refresh(cfg)
     if cfg.ppo.kl_placement == "reward" and cfg.ppo.kl_estimator not in ("k1", "k3", "abs"):

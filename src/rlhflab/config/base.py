@@ -233,7 +233,24 @@ def load(
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
         data = _deep_merge(data, loaded)
     data = merge_overrides(data, overrides)
-    return build(cls, data)
+    try:
+        return build(cls, data)
+    except ConfigError as exc:  # a value the file set: the file named, as for its syntax
+        if path is None or not _from_file(str(exc).split(":", 1)[0], loaded, overrides):
+            raise
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def _from_file(field: str, loaded: dict, overrides) -> bool:
+    """Whether the dotted ``field`` is set in the file's mapping ``loaded`` and no override
+    replaced it."""
+    node = loaded
+    for part in field.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    given = overrides.keys() if isinstance(overrides, dict) else overrides or ()
+    return not any(str(o).split("=", 1)[0].strip() == field for o in given)
 
 
 def _yaml_problem(exc: yaml.YAMLError) -> str:

@@ -204,6 +204,8 @@ def _load_native(path, kind: str, tokenizer, **kwargs):
     except NativeConfigError as exc:
         raise ModelLoadError(str(exc)) from None
     except RuntimeError as exc:  # load_state_dict: config.json disagrees with the weights
+        if "size mismatch" not in str(exc):
+            raise  # not that (out of memory, say): as it is
         raise ModelLoadError(
             f"{path}: config.json does not match the saved weights ({load_error_reason(exc)})"
         ) from None

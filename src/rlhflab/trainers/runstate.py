@@ -27,6 +27,7 @@ from rlhflab.infra.distributed import (
     wrap_trained,
 )
 from rlhflab.trainers.ppo_refresh import plain_module, refreshed_models
+from rlhflab.trainers.resume_checks import read_recorded_config
 
 log = logging.getLogger(__name__)
 
@@ -234,6 +235,9 @@ def restore_ppo_state(trainer, s: dict) -> None:
             f"ranks; resume it with the same number, not {ctx.world}"
         )
     was, now = s.get("strategy"), trainer.cfg.dist.strategy if ctx.enabled else None
+    if was is None and now is not None:  # a checkpoint from before it was recorded there
+        recorded = read_recorded_config(Path(trainer.run_dir) / "config.yaml")
+        was = (recorded.get("dist") or {}).get("strategy") if s.get("world", 1) > 1 else None
     if was == "ddp" and now == "fsdp":  # the other way, FSDP's full state loads by position
         raise ConfigError(
             "--resume: dist.strategy is 'fsdp', but the checkpoint was written under 'ddp', "
