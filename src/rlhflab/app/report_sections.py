@@ -157,9 +157,10 @@ def head_weights(
 ) -> dict[str, float | None]:
     """Each reward component's weight in the optimised score, None for one outside it: a
     reward-model head ``rm/<h>`` is in it when reward.heads names it (or is empty: every
-    head but ODIN's ``length``, weight 1); the missing-EOS penalty is, weight 1; a reward function's parts carry its reward.functions weight (or, for a
-    Python API callable, its weight in ``python``); a part neither can place counts as in
-    it, weight unknown (nan)."""
+    head but ODIN's ``length``, weight 1); the missing-EOS penalty is in it, weight 1; a
+    reward function's parts carry its reward.functions weight (or, for a Python API
+    callable, its weight in ``python``); a part neither can place counts as in it, weight
+    unknown (nan)."""
     reward = config.get("reward") or {}
     heads = reward.get("heads") or {}
     functions = {**(python or {}), **(reward.get("functions") or {})}

@@ -125,7 +125,10 @@ class PPOConfig:
         low=1,
     )
     clip_low: float = setting(
-        0.2, "PPO clip ε below 1 (all sources: 0.2): the ratio's floor is 1 − ε.", low=0.0, high=1.0
+        0.2,
+        "PPO clip ε below 1 (all sources: 0.2): the ratio's floor is 1 − ε.",
+        low=0.0,
+        high=1.0,
     )
     clip_high: float | None = setting(
         None, "PPO clip above 1; None = clip_low. DAPO's clip-higher uses 0.28.", low=0.0

@@ -4,7 +4,8 @@ No reward model and no sampling: the loss of :func:`rlhflab.core.losses.dpo_loss
 summed log-probs of each answer. The reference's log-probs never change, so they are
 computed once, before training, and cached. Logged per step: the loss, the implicit rewards
 β·(log π − log π_ref) of chosen and rejected answers, their margin and the reward accuracy
-(share of pairs whose chosen answer has the larger implicit reward). Checkpoints, resume and
+(share of pairs whose chosen answer has the larger implicit reward, a tie counting half).
+Checkpoints, resume and
 the run log are :class:`rlhflab.trainers.loop.RunLoop`'s, as for PPO.
 """
 

@@ -33,7 +33,6 @@ from rlhflab.infra.distributed import (
     init_distributed,
     rank_split,
 )
-from rlhflab.models import position_limit, positions_of
 from rlhflab.trainers import ppo_guards as guards
 from rlhflab.trainers.common import load_prompt_set
 from rlhflab.trainers.loop import RunLoop
@@ -85,8 +84,7 @@ class PPOTrainer:
         tokenizer = cast.tokenizer if cast is not None else load_policy_tokenizer(cfg)
         self.stream = load_prompt_set(cfg, tokenizer)
         self.stream.batch_size = r.prompts_per_iteration // self.group_size  # distinct prompts
-        limit = positions_of(cast.policy_lm.config) if cast else position_limit(cfg.model.policy)
-        self._check_batch(limit)
+        self._check_batch(guards.policy_positions(cfg, cast))
         device = self.ctx.device if self.ctx.enabled else None
         self.cast = cast or build_cast(cfg, device, tokenizer, rewards)
         self.device = self.cast.device

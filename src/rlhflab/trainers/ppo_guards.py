@@ -18,6 +18,7 @@ from rlhflab.core import guards as G
 from rlhflab.experience.ensemble import EnsembleReward
 from rlhflab.experience.rewards import RewardBatch
 from rlhflab.experience.rollout import Rollout
+from rlhflab.models import position_limit, positions_of
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,15 @@ def center_ensemble(cast, watch, ctx, rollout: Rollout, iteration: int) -> dict[
 # the metric of the penalty's mean (≤ 0), beside the reward components' objective/scores/<name>:
 # the parts of objective/scores add up to it (the report draws them together)
 EOS_PART = "objective/scores/missing_eos_penalty"
+
+
+def policy_positions(cfg, cast) -> int | None:
+    """The positions the policy covers: a built ``cast``'s, else those its folder's
+    config.json declares (read before any model loads, so that a rollout too long for them
+    is said in seconds)."""
+    if cast is not None:
+        return positions_of(cast.policy_lm.config)
+    return position_limit(cfg.model.policy, "model.policy")
 
 
 def penalise_missing_eos(scores: torch.Tensor, ended: torch.Tensor, penalty) -> torch.Tensor:
