@@ -5,6 +5,7 @@ from __future__ import annotations
 import resource
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -120,18 +121,28 @@ def _lm_config(model):
 
 def free_bytes(device) -> int | None:
     """Memory that ``device`` can still give: the GPU's free bytes, or Linux's
-    ``MemAvailable``; None where neither can be read."""
+    ``MemAvailable`` (less, inside a container whose cgroup limit is nearer); None where
+    neither can be read."""
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
+    free = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    free = int(line.split()[1]) * 1024
     except OSError:
         pass
-    return None
+    try:  # a container's own limit (cgroup v2), which MemAvailable does not see
+        cgroup = Path("/sys/fs/cgroup")
+        limit = (cgroup / "memory.max").read_text().strip()
+        if limit != "max":
+            left = int(limit) - int((cgroup / "memory.current").read_text())
+            free = left if free is None else min(free, left)
+    except (OSError, ValueError):
+        pass
+    return free
 
 
 def refuse_unmeasurable(
