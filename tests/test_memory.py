@@ -208,9 +208,10 @@ def test_the_models_table_needs_no_reward_setting(nano_rm, capsys):
     policy's, reference's and critic's bytes do not depend on it."""
     from rlhflab.app.cli import main
 
-    assert main(["memory", "model.policy=preset:nano"]) == 0
+    assert main(["memory", "model.policy=preset:nano", "model.reward_precision=int8"]) == 0
     out = capsys.readouterr().out
     assert "reward: none set, so no reward model is counted" in out
+    assert "model.reward_precision=int8: no reward model to hold" in out  # not silently
     rows = [line.split()[0] for line in out.splitlines() if line[:1].isalpha()]
     assert {"policy", "reference", "critic"} <= set(rows) and "reward" not in rows
     assert main(["memory", "model.policy=preset:nano", f"reward.model={nano_rm}"]) == 0

@@ -211,6 +211,8 @@ def cmd_memory(args) -> int:
     rw, extra = cfg.reward, ()
     if not (rw.model or rw.ensemble or rw.functions):  # the models' table needs none
         print("reward: none set, so no reward model is counted (set reward.model to count one)")
+        if cfg.model.reward_precision != "fp32":
+            print(f"model.reward_precision={cfg.model.reward_precision}: no reward model to hold")
         extra = ((CallableReward(_no_reward, "no reward"), 1.0),)
     cast = build_cast(cfg, extra_rewards=extra)
     rows = cast_memory(cast)
