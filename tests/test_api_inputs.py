@@ -14,6 +14,19 @@ from rlhflab.config import ConfigError
 from tests.test_python_api import FAST, PROMPTS, short
 
 
+def refused_start(run, prompt: str) -> None:
+    """A start that writes its inputs, then is refused (a gold reward with the monitor off)."""
+    with pytest.raises(ConfigError, match="gold: the gold reward is measured by the monitor"):
+        rlhflab.PPOTrainer(
+            "preset:nano",
+            reward=short,
+            prompts=[prompt] * 4,
+            gold=short,
+            overrides=FAST,
+            output_dir=run,
+        )
+
+
 def test_a_new_start_never_writes_over_an_earlier_runs_inputs(tmp_path, caplog):
     # inputs are written when the trainer is built: over the earlier run's, before its
     # logs were set aside (whose config.yaml then named the new data), even by a start
@@ -25,15 +38,7 @@ def test_a_new_start_never_writes_over_an_earlier_runs_inputs(tmp_path, caplog):
     first.train()
     recorded = first.config.data.prompts
     assert recorded == str(run / "inputs" / "prompts.jsonl")
-    with pytest.raises(ConfigError, match="gold: the gold reward is measured by the monitor"):
-        rlhflab.PPOTrainer(
-            "preset:nano",
-            reward=short,
-            prompts=["Z?"] * 4,
-            gold=short,
-            overrides=FAST,
-            output_dir=run,
-        )
+    refused_start(run, "Z?")
     later = ["Count to three.", "Name a tree.", "Say goodbye.", "What is 1 + 1?"]
     python_only = lambda p, r: short(p, r)  # noqa: E731 - no config can name it
     second = rlhflab.PPOTrainer(
@@ -49,15 +54,7 @@ def test_a_new_start_never_writes_over_an_earlier_runs_inputs(tmp_path, caplog):
     # command-line resume refusal) and its inputs: the resume below reads them
     record = run / "inputs" / "python_rewards.json"
     assert record.is_file()
-    with pytest.raises(ConfigError, match="gold: the gold reward is measured by the monitor"):
-        rlhflab.PPOTrainer(
-            "preset:nano",
-            reward=short,
-            prompts=["Y?"] * 4,
-            gold=short,
-            overrides=FAST,
-            output_dir=run,
-        )
+    refused_start(run, "Y?")
     assert record.is_file()
     # resumed without its prompts, the run goes on with its own, not the built-in task's
     again = rlhflab.PPOTrainer(
