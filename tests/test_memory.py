@@ -227,15 +227,21 @@ def test_a_forward_that_cannot_fit_is_refused_not_measured(monkeypatch, capsys):
     from rlhflab.diagnostics import memory
 
     monkeypatch.setattr(memory, "free_bytes", lambda device: 2**20)  # 1 MiB free
-    sizes = ["model.policy=preset:nano", "rollout.max_new_tokens=8"]
+    sizes = ["model.policy=preset:nano", "rollout.max_new_tokens=8", "rollout.score_micro_batch=2"]
     assert main(["memory", *sizes, "rollout.prompts_per_iteration=256"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    # the scoring micro-batch (32 x 8 tokens x 438 ids x 4 bytes) fits; one minibatch of 256 not
-    assert err.startswith("error: ppo.minibatches: one forward over 256 answers"), err
+    # the scoring micro-batch of 2 fits; one minibatch of 256 answers does not
+    assert err.startswith("error: ppo.minibatches: one forward over 256 answers would hold"), err
     assert "raise it, or set ppo.micro_batch_size" in err
-    over = [*sizes, "ppo.micro_batch_size=128", "rollout.score_micro_batch=4"]
-    assert main(["memory", *over, "rollout.prompts_per_iteration=256"]) == 2
+    over = [*sizes, "ppo.micro_batch_size=128", "rollout.prompts_per_iteration=256"]
+    assert main(["memory", *over]) == 2
     assert "error: ppo.micro_batch_size: one forward over 128" in capsys.readouterr().err
     over = [*sizes, "rollout.score_micro_batch=128", "rollout.prompts_per_iteration=256"]
-    assert main(["memory", *over]) == 2  # scoring is measured first
+    assert main(["memory", *over]) == 2  # scoring is checked first
     assert "error: rollout.score_micro_batch: one forward over 128" in capsys.readouterr().err
+    # and an estimate larger than the machine has is said, not only printed as a number
+    from rlhflab.diagnostics.memory_format import fit_line
+
+    monkeypatch.setattr(memory, "peak_rss_bytes", lambda: 2**20)
+    assert fit_line("cpu", 2**21) is None  # 1 MiB free + 1 MiB held
+    assert fit_line("cpu", 3 * 2**20).startswith("does not fit here: the estimated peak")

@@ -203,7 +203,13 @@ def _no_reward(prompts, responses):
 def cmd_memory(args) -> int:
     from rlhflab.config import load_config
     from rlhflab.diagnostics.memory import cast_memory, iteration_memory, peak_rss_bytes
-    from rlhflab.diagnostics.memory_format import format_iteration, format_table, not_counted
+    from rlhflab.diagnostics.memory_format import (
+        estimated_peak,
+        fit_line,
+        format_iteration,
+        format_table,
+        not_counted,
+    )
     from rlhflab.experience.cast import build_cast
     from rlhflab.experience.rewards import CallableReward
 
@@ -217,7 +223,11 @@ def cmd_memory(args) -> int:
     cast = build_cast(cfg, extra_rewards=extra)
     rows = cast_memory(cast)
     print(format_table(rows, peak_rss_bytes()))
-    print(format_iteration(iteration_memory(cast, cfg), rows))
+    phases = iteration_memory(cast, cfg)
+    print(format_iteration(phases, rows))
     for line in not_counted(cast, cfg):
         print(line)
+    fits = fit_line(cast.device, estimated_peak(rows, phases)[0])
+    if fits:
+        print(fits)
     return 0

@@ -145,21 +145,53 @@ def free_bytes(device) -> int | None:
     return free
 
 
-def refuse_unmeasurable(
-    rows: int, answer_tokens: int, vocab: int, field: str, fix: str, device
-) -> None:
-    """A forward over ``rows`` answers whose fp32 log-probabilities (rows x answer tokens x
-    vocabulary, a lower bound of what it holds) would not fit the free memory cannot be
-    measured: refused naming ``field``, the setting that sets ``rows``."""
-    need, free = 4 * rows * answer_tokens * vocab, free_bytes(device)
-    if free is not None and need > free:
-        gib = 2**30
-        raise ConfigError(
-            f"{field}: one forward over {rows} answers holds at least {need / gib:.1f} GiB "
-            f"(fp32 log-probabilities of {rows} x {answer_tokens} tokens x {vocab} "
-            f"vocabulary), more than the {free / gib:.1f} GiB free here: it does not fit "
-            f"(not measured, which would take the machine down); {fix}"
+def refuse_unmeasurable(cast, cfg, one: tuple, scoring_rows: int, micro: int) -> None:
+    """Refuse, naming the setting, a scoring or training forward that would not fit the
+    memory free now: one answer's (``one``: its ids and mask) no-grad forward, and its
+    forward and backward less the gradients it made, measured, times the rows of the
+    configured micro-batch — rows of one micro-batch hold alike, so this is about what the
+    full forward would hold, which measuring it would allocate."""
+    free = free_bytes(cast.device)
+    if free is None:
+        return
+    r, p = cfg.rollout, cfg.ppo
+    P, ids, mask = r.max_prompt_tokens, *one
+    with torch.no_grad():
+        _, _, scoring = held_by(
+            lambda: policy_outputs(
+                cast.policy, ids, mask, P, ids[:, P:], r.temperature, True, autocast=cast.autocast
+            )
         )
+    _, training = forward_backward_bytes(
+        lambda: policy_outputs(
+            cast.policy,
+            ids,
+            mask,
+            P,
+            ids[:, P:],
+            r.temperature,
+            p.entropy_coef > 0,
+            shared=cast.shared,
+            autocast=cast.autocast,
+        ),
+        cast.policy,
+        False,
+    )
+    grads = _trainable_bytes(cast.policy)  # in the measured peak once, not once a row
+    train_field = "ppo.micro_batch_size" if p.micro_batch_size else "ppo.minibatches"
+    train_fix = "lower it" if p.micro_batch_size else "raise it, or set ppo.micro_batch_size"
+    for need, rows, field, fix in (
+        (scoring_rows * scoring, scoring_rows, "rollout.score_micro_batch", "lower it"),
+        (grads + micro * max(training - grads, 0), micro, train_field, train_fix),
+    ):
+        if need > free:
+            gib = 2**30
+            raise ConfigError(
+                f"{field}: one forward over {rows} answers would hold about "
+                f"{need / gib:.1f} GiB (one answer's, measured, times {rows}), more than the "
+                f"{free / gib:.1f} GiB free here: it does not fit (not measured, which would "
+                f"take the machine down); {fix}"
+            )
 
 
 def _itemsize(model) -> int:
@@ -208,19 +240,10 @@ def iteration_memory(cast, cfg) -> list[PhaseMemory]:
         seqs = torch.randint(0, lm_cfg.vocab_size, (batch, P + T), generator=gen)
         return seqs.to(cast.device), torch.ones_like(seqs, device=cast.device)
 
-    # measured at the configured shapes: refused first where a forward's log-probabilities
-    # alone would not fit the memory free now (it would take the machine down instead)
+    # measured at the configured shapes: refused first where one answer's forward, times
+    # the rows, would not fit the memory free now (it would take the machine down instead)
     micro = p.micro_batch_size or n // p.minibatches
-    training = (
-        ("ppo.micro_batch_size", "lower it")
-        if p.micro_batch_size
-        else ("ppo.minibatches", "raise it, or set ppo.micro_batch_size")
-    )
-    for rows, (name, fix) in (
-        (min(r.score_micro_batch, n), ("rollout.score_micro_batch", "lower it")),
-        (micro, training),
-    ):
-        refuse_unmeasurable(rows, T, lm_cfg.vocab_size, name, fix, cast.device)
+    refuse_unmeasurable(cast, cfg, ids(1), min(r.score_micro_batch, n), micro)
     seqs, mask = ids(min(r.score_micro_batch, n))
     b = len(seqs)  # random ids: b distinct prompts, the worst case of the probe
     mc = cfg.monitor

@@ -89,3 +89,26 @@ def not_counted(cast, cfg) -> list[str]:
             "measure it with a short run (memory/peak_mib)"
         )
     return out
+
+
+def fit_line(device, peak: int) -> str | None:
+    """A line where the estimated ``peak`` of tensors is more than the device has for it
+    (its free memory and what this process already holds: the models built to measure),
+    None where it fits or cannot be told."""
+    import torch
+
+    from rlhflab.diagnostics.memory import free_bytes, peak_rss_bytes
+
+    free = free_bytes(device)
+    if free is None:
+        return None
+    device = torch.device(device)
+    held = torch.cuda.memory_allocated(device) if device.type == "cuda" else peak_rss_bytes()
+    if peak <= free + held:
+        return None
+    gib = 2**30
+    return (
+        f"does not fit here: the estimated peak, {peak / gib:.1f} GiB, is more than the "
+        f"{(free + held) / gib:.1f} GiB this machine has for it (free now, and what this "
+        "process holds); lower the batch settings above, or see docs/memory.md's levers"
+    )
