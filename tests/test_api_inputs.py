@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 import rlhflab
-from rlhflab.app import inputs as I
+from rlhflab.app.run_inputs import inputs_folder
 from rlhflab.config import ConfigError
 from tests.test_python_api import FAST, PROMPTS, short
 
@@ -80,7 +80,35 @@ def test_a_resume_reads_the_inputs_its_config_names_not_the_newest(tmp_path):
     (run / "config.yaml").write_text(
         yaml.safe_dump({"data": {"prompts": str(named / "prompts.jsonl")}})
     )
-    assert I.inputs_folder(run, resume=True) == named
+    assert inputs_folder(run, resume=True) == named
     (run / "config.yaml").write_text(yaml.safe_dump({"data": {"prompts": None}}))
-    assert I.inputs_folder(run, resume=True) == run / "inputs-20261207-130000"  # the newest
-    assert I.inputs_folder(run, resume=False).name.startswith("inputs-2")  # a fresh one
+    assert inputs_folder(run, resume=True) == run / "inputs-20261207-130000"  # the newest
+    assert inputs_folder(run, resume=False).name.startswith("inputs-2")  # a fresh one
+
+
+def test_a_resume_given_data_never_writes_over_what_the_run_trained_on(tmp_path):
+    run = tmp_path / "run"
+    rlhflab.PPOTrainer(
+        "preset:nano", reward=short, prompts=PROMPTS, overrides=FAST, output_dir=run
+    ).train()
+    trained_on = (run / "inputs" / "prompts.jsonl").read_text()
+    refused = rlhflab.PPOTrainer(  # refused when it trains: its checkpoints hold no LoRA
+        "preset:nano",
+        reward=short,
+        prompts=["Other?"] * 4,
+        output_dir=run,
+        resume=True,
+        overrides={**FAST, "ppo.iterations": 3, "model.lora_r": 8},
+    )
+    with pytest.raises(ConfigError, match="model.lora_r is 8"):
+        refused.train()
+    assert (run / "inputs" / "prompts.jsonl").read_text() == trained_on
+    same = rlhflab.PPOTrainer(  # the same rows again: the run's own file, nothing new
+        "preset:nano",
+        reward=short,
+        prompts=PROMPTS,
+        output_dir=run,
+        resume=True,
+        overrides={**FAST, "ppo.iterations": 3},
+    )
+    assert same.config.data.prompts == str(run / "inputs" / "prompts.jsonl")

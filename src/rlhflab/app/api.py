@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from rlhflab.app import inputs as I
+from rlhflab.app import run_inputs as RI
 from rlhflab.config import Config, ConfigError, load_config, validate
 from rlhflab.config.base import to_dict
 from rlhflab.trainers.supervised import check_output_folder
@@ -119,7 +120,7 @@ class Trainer:
         if output_dir is not None:
             cfg.log.output_dir = str(output_dir)
         _check_folder(cfg.log.output_dir, "log.output_dir")  # before inputs/ is written
-        inputs = I.inputs_folder(Path(cfg.log.output_dir), self.resume)
+        inputs = RI.inputs_folder(Path(cfg.log.output_dir), self.resume)
         if model is not None:
             folder = I.model_folder(model, tokenizer, inputs / "policy", "model", self.resume)
             cfg.model.policy = folder
@@ -197,7 +198,7 @@ class PPOTrainer(Trainer):
         rewards = I.apply_rewards(cfg, reward, reward_tokenizer or tokenizer, inputs, resume)
         split = cfg.data.split
         prompt_file = I.rows_file(prompts, inputs / "prompts.jsonl", "prompts", split, I.prompt_row)
-        I.set_data(cfg, prompt_file, "data.prompts", cfg.log.output_dir, resume)
+        RI.set_data(cfg, prompt_file, "data.prompts", cfg.log.output_dir, resume)
         if gold is not None and not cfg.monitor.enabled:
             raise ConfigError(
                 "gold: the gold reward is measured by the monitor; set monitor.enabled"
@@ -267,7 +268,7 @@ class DPOTrainer(Trainer):
         inputs = self._run_inputs(output_dir, model, tokenizer)
         split = cfg.data.split
         data = I.rows_file(pairs, inputs / "pairs.jsonl", "pairs", split, I.pair_row)
-        I.set_data(cfg, data, "dpo.data", cfg.log.output_dir, resume)
+        RI.set_data(cfg, data, "dpo.data", cfg.log.output_dir, resume)
         validate(cfg, self.stage)
         from rlhflab.trainers.dpo import DPOTrainer as Engine
 
@@ -294,7 +295,7 @@ class _ModelOut(Trainer):
         # refused before inputs/ (or a copy of a model object) is written into it
         _check_folder(section.output_dir, f"{self.stage}.output_dir")
         check_output_folder(self.config, self.stage, Path(section.output_dir))
-        inputs = I.inputs_folder(Path(section.output_dir) / "run", resume)
+        inputs = RI.inputs_folder(Path(section.output_dir) / "run", resume)
         if model is None:
             return inputs, current
         return inputs, I.model_folder(model, tokenizer, inputs / "model", "model", resume)
@@ -334,7 +335,7 @@ class SFTTrainer(_ModelOut):
         )
         split = cfg.data.split
         rows = I.rows_file(data, inputs / "sft.jsonl", "data", split, I.sft_row)
-        I.set_data(cfg, rows, "sft.data", Path(cfg.sft.output_dir) / "run", resume)
+        RI.set_data(cfg, rows, "sft.data", Path(cfg.sft.output_dir) / "run", resume)
         validate(cfg, self.stage)
         from rlhflab.trainers.sft import sft_trainer
 
@@ -370,7 +371,7 @@ class RewardTrainer(_ModelOut):
         inputs, cfg.rm.init = self._setup(output_dir, model, tokenizer, resume, cfg.rm.init)
         split = cfg.data.split
         rows = I.rows_file(pairs, inputs / "pairs.jsonl", "pairs", split, I.pair_row)
-        I.set_data(cfg, rows, "rm.data", Path(cfg.rm.output_dir) / "run", resume)
+        RI.set_data(cfg, rows, "rm.data", Path(cfg.rm.output_dir) / "run", resume)
         validate(cfg, self.stage)
         from rlhflab.trainers.rm import rm_trainer
 

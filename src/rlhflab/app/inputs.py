@@ -19,11 +19,11 @@ import math
 import os
 import re
 import shutil
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rlhflab.app.run_inputs import inputs_folder
 from rlhflab.config import Config, ConfigError
 from rlhflab.experience.rewards import CallableReward, importable_spec
 from rlhflab.infra.files import share_like_umask, write_lines_atomic, write_text_atomic
@@ -39,76 +39,6 @@ def is_module(obj) -> bool:
     except ImportError:  # pragma: no cover - torch is a dependency
         return False
     return isinstance(obj, nn.Module)
-
-
-def inputs_folder(parent: Path, resume: bool) -> Path:
-    """Where this start writes what a Python caller passed as objects, in the run folder
-    ``parent``: a resumed run, the folder its config.yaml names (the data it began with;
-    else the newest); a fresh
-    start, ``inputs/`` — or, where that holds an earlier start's files, ``inputs-<UTC
-    time>/``: writing over them would change the data the earlier run's config.yaml names
-    (its logs and checkpoints are set aside, not its inputs) and, if this start never
-    trains, that run's own, which a resume would then read."""
-    starts = sorted(
-        p for p in parent.glob("inputs*") if p.is_dir() and p.name.split("-")[0] == "inputs"
-    )
-    if resume:  # the one the run's config.yaml names (a later refused start made another)
-        named = _named_inputs(parent, starts)
-        return named or (starts[-1] if starts else parent / "inputs")
-    first = parent / "inputs"
-    if not first.is_dir() or not any(first.iterdir()):
-        return first
-    stamp = time.strftime("inputs-%Y%m%d-%H%M%S", time.gmtime())
-    folder, n = parent / stamp, 1
-    while folder.exists():  # two starts within a second
-        n += 1
-        folder = parent / f"{stamp}-{n}"
-    return folder
-
-
-def _named_inputs(parent: Path, starts: list[Path]) -> Path | None:
-    """The inputs folder among ``starts`` that a path in ``parent``'s config.yaml lies in
-    (its data, its policy's copy), or None."""
-    import yaml
-
-    try:
-        saved = yaml.safe_load((parent / "config.yaml").read_text(encoding="utf-8"))
-    except (OSError, ValueError, yaml.YAMLError):
-        return None
-    values, found = [saved], {p.resolve(): p for p in starts}
-    while values:
-        v = values.pop()
-        if isinstance(v, dict):
-            values += list(v.values())
-        elif isinstance(v, list):
-            values += v
-        elif isinstance(v, str) and "/" in v:
-            for folder in Path(v).resolve().parents:
-                if folder in found:
-                    return found[folder]
-    return None
-
-
-def set_data(cfg: Config, given: str | None, dotted: str, run_dir, resume: bool) -> None:
-    """The data setting ``dotted`` (``data.prompts``, ``dpo.data`` …) set to ``given``; on a
-    resume given none, with the config's unset, the run's own from its config.yaml: else
-    the run would go on with the built-in data instead of what it trained on."""
-    import yaml
-
-    section, key = dotted.split(".")
-    values = getattr(cfg, section)
-    if given is not None or not resume or getattr(values, key) is not None:
-        if given is not None:
-            setattr(values, key, given)
-        return
-    try:
-        saved = yaml.safe_load((Path(run_dir) / "config.yaml").read_text(encoding="utf-8"))
-        recorded = (saved.get(section) or {}).get(key)
-    except (OSError, ValueError, AttributeError, yaml.YAMLError):
-        return  # no record to go on from (the resume's own checks say what is wrong)
-    if recorded is not None:
-        log.info("resuming with the run's own %s: %s", dotted, recorded)
-        setattr(values, key, recorded)
 
 
 def _atomic_dir(final: Path, write: Callable[[Path], None]) -> None:
@@ -177,17 +107,17 @@ def _plain(value):
     raise TypeError(f"{type(value).__name__} is not a JSON value")
 
 
+def _lines(rows: list[dict], what: str):
+    for n, row in enumerate(rows, start=1):
+        try:
+            yield json.dumps(row, ensure_ascii=False, default=_plain) + "\n"
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{what}: item {n}: {exc}") from None
+
+
 def _write_jsonl(rows: list[dict], path: Path, what: str) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
-
-    def lines():
-        for n, row in enumerate(rows, start=1):
-            try:
-                yield json.dumps(row, ensure_ascii=False, default=_plain) + "\n"
-            except (TypeError, ValueError) as exc:
-                raise ConfigError(f"{what}: item {n}: {exc}") from None
-
-    write_lines_atomic(path, lines())
+    write_lines_atomic(path, _lines(rows, what))
     return str(path)
 
 
@@ -219,6 +149,8 @@ def rows_file(data, path: Path, what: str, split: str, as_row: Callable[[object]
         if len(dataset) == 0:
             raise ConfigError(f"{what}: no rows")
         folder = path.with_suffix("")
+        if folder.exists():  # an earlier start's (a resume given data): never written over
+            folder = inputs_folder(path.parent.parent, resume=False) / folder.name
         _atomic_dir(folder, dataset.save_to_disk)
         return str(folder)
     if not isinstance(data, (list, tuple)):
@@ -228,6 +160,12 @@ def rows_file(data, path: Path, what: str, split: str, as_row: Callable[[object]
     rows = [as_row(item) for item in data]
     if not rows:
         raise ConfigError(f"{what}: no rows")
+    if path.exists():  # an earlier start's (a resume given data): kept if the same rows,
+        # else never written over — the steps so far trained on it, and a refused resume
+        # would leave the run reading another's
+        if path.read_text(encoding="utf-8") == "".join(_lines(rows, what)):
+            return str(path)
+        path = inputs_folder(path.parent.parent, resume=False) / path.name
     return _write_jsonl(rows, path, what)
 
 

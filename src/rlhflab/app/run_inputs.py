@@ -1,0 +1,83 @@
+"""Where a start of a run writes what a Python caller passed as objects
+(:mod:`rlhflab.app.inputs` writes them): ``inputs/``, or a fresh ``inputs-<UTC time>/`` beside
+an earlier start's; the folder a resume reads; the data a resume given none goes on with."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from rlhflab.config import Config
+
+log = logging.getLogger(__name__)
+
+
+def inputs_folder(parent: Path, resume: bool) -> Path:
+    """Where this start writes what a Python caller passed as objects, in the run folder
+    ``parent``: a resumed run, the folder its config.yaml names (the data it began with;
+    else the newest); a fresh
+    start, ``inputs/`` — or, where that holds an earlier start's files, ``inputs-<UTC
+    time>/``: writing over them would change the data the earlier run's config.yaml names
+    (its logs and checkpoints are set aside, not its inputs) and, if this start never
+    trains, that run's own, which a resume would then read."""
+    starts = sorted(
+        p for p in parent.glob("inputs*") if p.is_dir() and p.name.split("-")[0] == "inputs"
+    )
+    if resume:  # the one the run's config.yaml names (a later refused start made another)
+        named = _named_inputs(parent, starts)
+        return named or (starts[-1] if starts else parent / "inputs")
+    first = parent / "inputs"
+    if not first.is_dir() or not any(first.iterdir()):
+        return first
+    stamp = time.strftime("inputs-%Y%m%d-%H%M%S", time.gmtime())
+    folder, n = parent / stamp, 1
+    while folder.exists():  # two starts within a second
+        n += 1
+        folder = parent / f"{stamp}-{n}"
+    return folder
+
+
+def _named_inputs(parent: Path, starts: list[Path]) -> Path | None:
+    """The inputs folder among ``starts`` that a path in ``parent``'s config.yaml lies in
+    (its data, its policy's copy), or None."""
+    import yaml
+
+    try:
+        saved = yaml.safe_load((parent / "config.yaml").read_text(encoding="utf-8"))
+    except (OSError, ValueError, yaml.YAMLError):
+        return None
+    values, found = [saved], {p.resolve(): p for p in starts}
+    while values:
+        v = values.pop()
+        if isinstance(v, dict):
+            values += list(v.values())
+        elif isinstance(v, list):
+            values += v
+        elif isinstance(v, str) and "/" in v:
+            for folder in Path(v).resolve().parents:
+                if folder in found:
+                    return found[folder]
+    return None
+
+
+def set_data(cfg: Config, given: str | None, dotted: str, run_dir, resume: bool) -> None:
+    """The data setting ``dotted`` (``data.prompts``, ``dpo.data`` …) set to ``given``; on a
+    resume given none, with the config's unset, the run's own from its config.yaml: else
+    the run would go on with the built-in data instead of what it trained on."""
+    import yaml
+
+    section, key = dotted.split(".")
+    values = getattr(cfg, section)
+    if given is not None or not resume or getattr(values, key) is not None:
+        if given is not None:
+            setattr(values, key, given)
+        return
+    try:
+        saved = yaml.safe_load((Path(run_dir) / "config.yaml").read_text(encoding="utf-8"))
+        recorded = (saved.get(section) or {}).get(key)
+    except (OSError, ValueError, AttributeError, yaml.YAMLError):
+        return  # no record to go on from (the resume's own checks say what is wrong)
+    if recorded is not None:
+        log.info("resuming with the run's own %s: %s", dotted, recorded)
+        setattr(values, key, recorded)
