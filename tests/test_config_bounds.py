@@ -78,3 +78,34 @@ def test_settings_that_would_do_nothing_are_refused_or_said(caplog):
     with caplog.at_level("WARNING"):
         warn_about_settings(load_config(overrides=[rm, "reward.ensemble_combine=uwo"]))
     assert "reward.ensemble_combine=uwo combines the members of reward.ensemble" in caplog.text
+
+
+def test_a_value_an_older_run_recorded_is_named_with_its_file(tmp_path, capsys):
+    # generate/eval read the run's config.yaml: a value today's bounds refuse was said as if
+    # the user had typed it
+    import yaml
+
+    from rlhflab.trainers.ppo import PPOTrainer
+
+    run = tmp_path / "run"
+    fast = ["ppo.iterations=1", "rollout.prompts_per_iteration=4", "rollout.max_new_tokens=4"]
+    over = [REWARD, "model.policy=preset:nano", f"log.output_dir={run}", "log.progress=false"]
+    PPOTrainer(load_config(overrides=over + fast)).fit()
+    recorded = yaml.safe_load((run / "config.yaml").read_text())
+    recorded["ppo"]["clip_low"] = 1.5  # as an older rlhflab took it
+    (run / "config.yaml").write_text(yaml.safe_dump(recorded))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    args = ["generate", "--model", str(run), "--prompts", str(prompts)]
+    assert main([*args, "--out", str(tmp_path / "a.jsonl")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"error: {run / 'config.yaml'}: ppo.clip_low: must be <= 1.0"), err
+    assert "give another with ppo.clip_low=..." in err
+    assert main([*args, "--out", str(tmp_path / "a.jsonl"), "ppo.clip_low=0.2"]) == 0
+
+
+def test_an_unknown_key_in_a_file_names_the_file(tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("monitor:\n  thresholds:\n    flattery_rate: 2\n")
+    assert main(["ppo", "--config", str(cfg)]) == 2
+    assert f"error: {cfg}: unknown config key monitor.thresholds;" in capsys.readouterr().err

@@ -53,7 +53,17 @@ def answer_config(model: str, config: str | None, overrides: list[str]) -> Confi
     run directory (else the defaults), then the ``--config`` file, then the overrides."""
     path = Path(model).expanduser()
     run = not model.startswith("preset:") and path.is_dir() and is_run_dir(path)
-    cfg = configbase.load(Config, config, overrides, read_run_config(path) if run else None)
+    recorded = read_run_config(path) if run else None
+    try:
+        cfg = configbase.load(Config, config, overrides, recorded)
+    except ConfigError as exc:  # a value the run recorded (an older rlhflab took it)
+        field = str(exc).split(":", 1)[0]
+        if not (recorded and configbase.set_in(field, recorded, overrides)):
+            raise
+        raise ConfigError(
+            f"{path / 'config.yaml'}: {exc} (the run's recorded setting: give another with "
+            f"{field}=...)"
+        ) from None
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     return cfg

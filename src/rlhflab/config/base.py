@@ -236,12 +236,21 @@ def load(
     try:
         return build(cls, data)
     except ConfigError as exc:  # a value the file set: the file named, as for its syntax
-        if path is None or not _from_file(str(exc).split(":", 1)[0], loaded, overrides):
+        if path is None or not set_in(_field_of(str(exc)), loaded, overrides):
             raise
         raise ConfigError(f"{path}: {exc}") from None
 
 
-def _from_file(field: str, loaded: dict, overrides) -> bool:
+def _field_of(message: str) -> str:
+    """The dotted setting a build error is about: its first word before ':', or the key
+    of "unknown config key KEY; ..."."""
+    unknown = "unknown config key "
+    if message.startswith(unknown):
+        return message[len(unknown) :].split(";", 1)[0]
+    return message.split(":", 1)[0]
+
+
+def set_in(field: str, loaded: dict, overrides) -> bool:
     """Whether the dotted ``field`` is set in the file's mapping ``loaded`` and no override
     replaced it."""
     node = loaded
