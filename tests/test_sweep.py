@@ -118,6 +118,7 @@ def test_a_storage_optuna_cannot_open_is_one_line(tmp_path, capsys):
     assert main([*args, "--out", str(tmp_path / "sw")]) == 2
     err = capsys.readouterr().err
     assert "--storage 'foo://bar': cannot be opened" in err and "Traceback" not in err
+    assert not (tmp_path / "sw").exists()  # no empty folder left behind
 
 
 def test_a_preset_and_a_config_together_are_refused(tmp_path, capsys):
@@ -138,6 +139,18 @@ def test_a_trial_the_trainer_refuses_is_one_line_and_replaced(tmp_path, capsys, 
     states = [t["state"] for t in trials(out)]
     assert states.count("complete") == 2 and "fail" in states  # seeded: TPE draws 3
     assert "trial 0 failed: ppo.minibatches" in said and "Traceback" not in said, said
+    # and Optuna's own lines for it ("the value nan is not acceptable") are dropped
+    import logging
+
+    from rlhflab.app.sweep import _FailedTrialNoise
+
+    noise = logging.LogRecord("optuna", 30, "", 0, "Trial 1 failed with value nan.", None, None)
+    assert not _FailedTrialNoise().filter(noise)
+    assert any(
+        isinstance(f, _FailedTrialNoise)
+        for h in optuna.logging.get_logger("optuna").handlers
+        for f in h.filters
+    )
 
 
 def test_the_objective_is_gold_or_proxy_less_kl_over_the_budget():
@@ -316,3 +329,13 @@ def test_a_seed_beyond_numpys_makes_a_sampler(tmp_path):
     cfg = load_config(base=CONFIG, overrides=[f"seed={2**40}"])
     study = open_study(optuna, f"sqlite:///{tmp_path / 's.db'}", "big-seed", cfg)
     assert isinstance(study.sampler, optuna.samplers.TPESampler)
+
+
+def test_a_preset_sweep_into_another_studys_folder_is_refused_before_training(tmp_path, capsys):
+    # it trained the preset's SFT and reward models (minutes) first, into that folder
+    out = tmp_path / "sw"
+    out.mkdir()
+    (out / "study.json").write_text(json.dumps({"study": "sw"}))
+    assert main(["sweep", "--preset", "quick", "--trials", "1", "--out", str(out)]) == 2
+    assert "holds study 'sw'" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == ["study.json"]  # no base/ trained

@@ -175,6 +175,15 @@ def run_trial(trial, base: dict, space: dict, sweep_dir: Path, stage: str) -> fl
     return value
 
 
+class _FailedTrialNoise(logging.Filter):
+    """Optuna's two lines for a trial :func:`_trial` marked failed (NaN: "the value nan is
+    not acceptable"), which read as a numeric failure where the trial's own line said why."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        said = record.getMessage()
+        return not ("failed with value nan" in said or "value nan is not acceptable" in said)
+
+
 def _trial(trial, base: dict, space: dict, sweep_dir: Path, stage: str) -> float:
     """:func:`run_trial`, with a trial the trainer refuses (its drawn settings) or whose
     training halts said in one line and marked failed (NaN: Optuna's failed value), where
@@ -222,6 +231,8 @@ def base_config(args) -> tuple[Config, str, Path, str]:
     if args.preset:
         from rlhflab.app.sweep_preset import preset_base
 
+        if args.out:  # before the base models train (minutes): the folder's study first
+            claim_folder(Path(args.out), args.name or f"{args.preset}-s{args.seed}")
         return preset_base(args.preset, args.seed, args.out, overrides)
     if not args.config:
         raise ConfigError("rlhflab sweep: give --config FILE or --preset NAME")
@@ -240,15 +251,23 @@ def run_sweep(args) -> dict:
     uses_gold(cfg)  # an impossible objective fails here, not in every trial
     base = configbase.to_dict(cfg)
     space = check_space(cfg.sweep.space or DEFAULT_SPACES[stage], base)
+    made = not sweep_dir.exists()
     sweep_dir.mkdir(parents=True, exist_ok=True)
     claim_folder(sweep_dir, name)
     storage = args.storage or f"sqlite:///{(sweep_dir / 'study.db').resolve()}"
     # the study (and a new storage's tables) made before any worker opens it: J processes
     # creating one SQLite schema at once can fail in SQLAlchemy's CREATE TABLE
-    study = open_study(optuna, storage, name, cfg, args.worker, shared=bool(args.storage))
+    try:
+        study = open_study(optuna, storage, name, cfg, args.worker, shared=bool(args.storage))
+    except ConfigError:
+        if made and not any(sweep_dir.iterdir()):  # a storage that cannot open: no trace
+            sweep_dir.rmdir()
+        raise
     keep_one_experiment(study, space, base)
     claim_folder(sweep_dir, name, record=True)
     workers = [] if args.worker else _spawn_workers(args, sweep_dir, storage, name)
+    for handler in logging.getLogger("optuna").handlers:  # Optuna's own, on its root logger
+        handler.addFilter(_FailedTrialNoise())
     optimise(study, optuna, args.trials, lambda t: _trial(t, base, space, sweep_dir, stage))
     for w in workers:
         w.wait()
