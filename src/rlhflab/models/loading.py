@@ -24,6 +24,7 @@ from rlhflab.models.prepare import (
     first_line,
     hf_load,
     load_error_reason,
+    mismatch_message,
 )
 from rlhflab.models.presets import preset_path
 from rlhflab.models.text import leading_special_ids, record_stop_ids
@@ -206,9 +207,7 @@ def _load_native(path, kind: str, tokenizer, **kwargs):
     except RuntimeError as exc:  # load_state_dict: config.json disagrees with the weights
         if "size mismatch" not in str(exc):
             raise  # not that (out of memory, say): as it is
-        raise ModelLoadError(
-            f"{path}: config.json does not match the saved weights ({load_error_reason(exc)})"
-        ) from None
+        raise ModelLoadError(mismatch_message(path, str(exc))) from None
     # where it came from, as transformers' configs keep it (never saved: "_" fields are not)
     model.config._name_or_path = str(path)
     _fit_vocab(model, tokenizer, path)

@@ -149,13 +149,38 @@ def hf_load(auto_class, path, trust_remote_code: bool, fields: dict, **kwargs):
         ) from None
     mismatched = list(info.get("mismatched_keys") or ())
     if mismatched:
-        name, saved, wanted = mismatched[0]
-        raise ModelLoadError(
-            f"{path}: config.json does not match the saved weights: {name} is "
-            f"{tuple(saved)} in the file but {tuple(wanted)} by the config "
-            f"({len(mismatched)} tensors differ)"
-        )
+        raise ModelLoadError(mismatch_message(path, mismatched))
     return model, info
+
+
+SIZE_MISMATCH = re.compile(
+    r"size mismatch for ([^:]+): copying a param with shape torch\.Size\(\[([\d, ]*)\]\) "
+    r"from checkpoint, the shape in current model is torch\.Size\(\[([\d, ]*)\]\)"
+)
+
+
+def mismatch_message(path, mismatched) -> str:
+    """One line for weights whose shapes the config disagrees with: ``mismatched`` is
+    [(name, saved shape, shape by the config)], or torch's load_state_dict error text."""
+    if isinstance(mismatched, str):
+        text = mismatched
+        mismatched = [
+            (
+                name,
+                tuple(int(x) for x in a.split(",") if x.strip()),
+                tuple(int(x) for x in b.split(",") if x.strip()),
+            )
+            for name, a, b in SIZE_MISMATCH.findall(mismatched)
+        ]
+        if not mismatched:  # torch worded it otherwise: its line as it is
+            return f"{path}: config.json does not match the saved weights ({text.strip()[:300]})"
+    name, saved, wanted = mismatched[0]
+    n = len(mismatched)
+    return (
+        f"{path}: config.json does not match the saved weights: {name} is {tuple(saved)} in "
+        f"the file but {tuple(wanted)} by the config ({n} tensor{'s' if n > 1 else ''} "
+        f"differ{'' if n > 1 else 's'})"
+    )
 
 
 def config_errors() -> tuple[type[BaseException], ...]:
