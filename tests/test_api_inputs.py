@@ -81,6 +81,10 @@ def test_a_resume_reads_the_inputs_its_config_names_not_the_newest(tmp_path):
         yaml.safe_dump({"data": {"prompts": str(named / "prompts.jsonl")}})
     )
     assert inputs_folder(run, resume=True) == named
+    # a resume given other data wrote them to a newer folder: the policy's copy decides
+    both = {"model": {"policy": str(run / "inputs" / "policy")}, "data": {"prompts": str(named)}}
+    (run / "config.yaml").write_text(yaml.safe_dump(both))
+    assert inputs_folder(run, resume=True) == run / "inputs"
     (run / "config.yaml").write_text(yaml.safe_dump({"data": {"prompts": None}}))
     assert inputs_folder(run, resume=True) == run / "inputs-20261207-130000"  # the newest
     assert inputs_folder(run, resume=False).name.startswith("inputs-2")  # a fresh one

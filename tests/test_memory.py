@@ -242,6 +242,32 @@ def test_a_forward_that_cannot_fit_is_refused_not_measured(monkeypatch, capsys):
     # and an estimate larger than the machine has is said, not only printed as a number
     from rlhflab.diagnostics.memory_format import fit_line
 
-    monkeypatch.setattr(memory, "peak_rss_bytes", lambda: 2**20)
+    monkeypatch.setattr(memory, "rss_bytes", lambda: 2**20)
     assert fit_line("cpu", 2**21) is None  # 1 MiB free + 1 MiB held
     assert fit_line("cpu", 3 * 2**20).startswith("does not fit here: the estimated peak")
+
+
+def test_the_fit_check_extrapolates_without_multiplying_what_a_forward_holds_once():
+    # a tied embedding's dense gradient exists once per backward: one row's peak times the
+    # rows would refuse a normal config of a real model (~1 GB a row for a 0.5B model)
+    from rlhflab.diagnostics.memory import extrapolate
+
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(2000, 256)
+    head = torch.nn.Linear(256, 2000, bias=False)
+    head.weight = emb.weight  # tied
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = emb, head
+
+    model = Tied()
+
+    def peak(rows):
+        ids = torch.randint(0, 2000, (rows, 24))
+        return forward_backward_bytes(lambda: (head(emb(ids)).log_softmax(-1),), model, False)[1]
+
+    guess, real = extrapolate(peak(1), peak(2), 16), peak(16)
+    assert abs(guess - real) < 0.1 * real, (guess, real)
+    assert 16 * peak(1) > 1.5 * real  # what one row's peak times the rows would have said

@@ -57,12 +57,13 @@ def answer_config(model: str, config: str | None, overrides: list[str]) -> Confi
     try:
         cfg = configbase.load(Config, config, overrides, recorded)
     except ConfigError as exc:  # a value the run recorded (an older rlhflab took it)
-        field = str(exc).split(":", 1)[0]
+        field = configbase.field_of(str(exc))
         if not (recorded and configbase.set_in(field, recorded, overrides)):
             raise
+        unknown = str(exc).startswith("unknown config key")
+        fix = "remove it from that file" if unknown else f"give another with {field}=..."
         raise ConfigError(
-            f"{path / 'config.yaml'}: {exc} (the run's recorded setting: give another with "
-            f"{field}=...)"
+            f"{path / 'config.yaml'}: {exc} (the run's recorded setting: {fix})"
         ) from None
     if cfg.threads:
         torch.set_num_threads(cfg.threads)

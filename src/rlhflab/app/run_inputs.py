@@ -47,7 +47,10 @@ def _named_inputs(parent: Path, starts: list[Path]) -> Path | None:
         saved = yaml.safe_load((parent / "config.yaml").read_text(encoding="utf-8"))
     except (OSError, ValueError, yaml.YAMLError):
         return None
-    values, found = [saved], {p.resolve(): p for p in starts}
+    found = {p.resolve(): p for p in starts}
+    # the policy's copy first: a resume given other data put only that in a newer folder
+    policy = ((saved or {}).get("model") or {}).get("policy") if isinstance(saved, dict) else None
+    values = [saved, policy]
     while values:
         v = values.pop()
         if isinstance(v, dict):

@@ -231,8 +231,9 @@ def base_config(args) -> tuple[Config, str, Path, str]:
     if args.preset:
         from rlhflab.app.sweep_preset import preset_base
 
-        if args.out:  # before the base models train (minutes): the folder's study first
-            claim_folder(Path(args.out), args.name or f"{args.preset}-s{args.seed}")
+        # before the base models train (minutes): the folder's study first
+        name = f"{args.preset}-s{args.seed}"
+        claim_folder(Path(args.out or Path("runs") / "sweeps" / name), args.name or name)
         return preset_base(args.preset, args.seed, args.out, overrides)
     if not args.config:
         raise ConfigError("rlhflab sweep: give --config FILE or --preset NAME")
@@ -267,7 +268,8 @@ def run_sweep(args) -> dict:
     claim_folder(sweep_dir, name, record=True)
     workers = [] if args.worker else _spawn_workers(args, sweep_dir, storage, name)
     for handler in logging.getLogger("optuna").handlers:  # Optuna's own, on its root logger
-        handler.addFilter(_FailedTrialNoise())
+        if not any(isinstance(f, _FailedTrialNoise) for f in handler.filters):
+            handler.addFilter(_FailedTrialNoise())
     optimise(study, optuna, args.trials, lambda t: _trial(t, base, space, sweep_dir, stage))
     for w in workers:
         w.wait()

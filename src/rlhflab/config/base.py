@@ -236,12 +236,12 @@ def load(
     try:
         return build(cls, data)
     except ConfigError as exc:  # a value the file set: the file named, as for its syntax
-        if path is None or not set_in(_field_of(str(exc)), loaded, overrides):
+        if path is None or not set_in(field_of(str(exc)), loaded, overrides):
             raise
         raise ConfigError(f"{path}: {exc}") from None
 
 
-def _field_of(message: str) -> str:
+def field_of(message: str) -> str:
     """The dotted setting a build error is about: its first word before ':', or the key
     of "unknown config key KEY; ..."."""
     unknown = "unknown config key "

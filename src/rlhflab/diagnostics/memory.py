@@ -2,41 +2,22 @@
 
 from __future__ import annotations
 
-import resource
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from rlhflab.backends import weight_cast
 from rlhflab.config.base import ConfigError
 from rlhflab.core import algorithms as A
+
+# re-exported: the trainers, the commands and the benchmarks read peak_rss_bytes here
+from rlhflab.diagnostics.machine_memory import free_bytes, peak_rss_bytes, rss_bytes  # noqa: F401
 from rlhflab.diagnostics.tensor_bytes import forward_backward_bytes, held_by
 from rlhflab.experience.opener import PromptCaches, opener_logprobs, prompt_prefixes
 from rlhflab.experience.rollout import answer_values, policy_outputs
 from rlhflab.experience.sampling import cache_kwarg
 from rlhflab.models import causal_forward, module_bytes
 from rlhflab.models.precision import autocast_dtype
-
-
-def peak_rss_bytes() -> int:
-    """Peak resident set size of this process so far.
-
-    On Linux this reads ``VmHWM`` from ``/proc/self/status``: ``ru_maxrss`` carries the
-    parent's peak across fork+exec (the kernel folds the old address space's high-water
-    mark into it), so a worker started by a big parent would report the parent's peak.
-    Elsewhere ``ru_maxrss`` (macOS reports bytes, other systems KiB).
-    """
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
 
 
 @dataclass
@@ -119,78 +100,60 @@ def _lm_config(model):
     return (base() if base else lm).config
 
 
-def free_bytes(device) -> int | None:
-    """Memory that ``device`` can still give: the GPU's free bytes, or Linux's
-    ``MemAvailable`` (less, inside a container whose cgroup limit is nearer); None where
-    neither can be read."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    free = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    free = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:  # a container's own limit (cgroup v2), which MemAvailable does not see
-        cgroup = Path("/sys/fs/cgroup")
-        limit = (cgroup / "memory.max").read_text().strip()
-        if limit != "max":
-            left = int(limit) - int((cgroup / "memory.current").read_text())
-            free = left if free is None else min(free, left)
-    except (OSError, ValueError):
-        pass
-    return free
+def extrapolate(one: int, two: int, rows: int) -> int:
+    """Bytes at ``rows`` from those measured at 1 and 2 rows: what a forward holds once
+    (2·one − two) plus ``rows`` times what each row adds (two − one)."""
+    return max(2 * one - two, 0) + rows * max(two - one, 0)
 
 
-def refuse_unmeasurable(cast, cfg, one: tuple, scoring_rows: int, micro: int) -> None:
+def refuse_unmeasurable(cast, cfg, ids, scoring_rows: int, micro: int) -> None:
     """Refuse, naming the setting, a scoring or training forward that would not fit the
-    memory free now: one answer's (``one``: its ids and mask) no-grad forward, and its
-    forward and backward less the gradients it made, measured, times the rows of the
-    configured micro-batch — rows of one micro-batch hold alike, so this is about what the
-    full forward would hold, which measuring it would allocate."""
+    memory free now, which measuring it would allocate: the policy's no-grad forward, and
+    its forward and backward, measured on 1 and 2 answers (``ids(rows)``: ids and mask),
+    and extrapolated to the rows of the configured micro-batch as fixed + rows × slope —
+    what a forward holds once (a tied embedding's dense gradient, weight casts, the
+    gradients) is not multiplied by the rows."""
     free = free_bytes(cast.device)
-    if free is None:
+    if free is None or max(scoring_rows, micro) <= 2:
         return
     r, p = cfg.rollout, cfg.ppo
-    P, ids, mask = r.max_prompt_tokens, *one
-    with torch.no_grad():
-        _, _, scoring = held_by(
-            lambda: policy_outputs(
-                cast.policy, ids, mask, P, ids[:, P:], r.temperature, True, autocast=cast.autocast
-            )
-        )
-    _, training = forward_backward_bytes(
-        lambda: policy_outputs(
+    P = r.max_prompt_tokens
+
+    def outputs(seqs, mask, entropy: bool, shared: bool | None):  # as the phases run them
+        return policy_outputs(
             cast.policy,
-            ids,
+            seqs,
             mask,
             P,
-            ids[:, P:],
+            seqs[:, P:],
             r.temperature,
-            p.entropy_coef > 0,
-            shared=cast.shared,
+            entropy,
+            shared=shared,
             autocast=cast.autocast,
-        ),
-        cast.policy,
-        False,
-    )
-    grads = _trainable_bytes(cast.policy)  # in the measured peak once, not once a row
+        )
+
+    def scoring(rows):
+        with torch.no_grad():
+            return held_by(lambda: outputs(*ids(rows), True, None))[2]
+
+    def training(rows):
+        forward = lambda: outputs(*ids(rows), p.entropy_coef > 0, cast.shared)  # noqa: E731
+        return forward_backward_bytes(forward, cast.policy, False)[1]
+
     train_field = "ppo.micro_batch_size" if p.micro_batch_size else "ppo.minibatches"
     train_fix = "lower it" if p.micro_batch_size else "raise it, or set ppo.micro_batch_size"
-    for need, rows, field, fix in (
-        (scoring_rows * scoring, scoring_rows, "rollout.score_micro_batch", "lower it"),
-        (grads + micro * max(training - grads, 0), micro, train_field, train_fix),
+    for measure, rows, field, fix in (
+        (scoring, scoring_rows, "rollout.score_micro_batch", "lower it"),
+        (training, micro, train_field, train_fix),
     ):
+        need = extrapolate(measure(1), measure(2), rows)
         if need > free:
             gib = 2**30
             raise ConfigError(
                 f"{field}: one forward over {rows} answers would hold about "
-                f"{need / gib:.1f} GiB (one answer's, measured, times {rows}), more than the "
-                f"{free / gib:.1f} GiB free here: it does not fit (not measured, which would "
-                f"take the machine down); {fix}"
+                f"{need / gib:.1f} GiB (measured on 1 and 2 answers, extrapolated), more than "
+                f"the {free / gib:.1f} GiB free here: it does not fit (not measured, which "
+                f"would take the machine down); {fix}"
             )
 
 
@@ -240,10 +203,10 @@ def iteration_memory(cast, cfg) -> list[PhaseMemory]:
         seqs = torch.randint(0, lm_cfg.vocab_size, (batch, P + T), generator=gen)
         return seqs.to(cast.device), torch.ones_like(seqs, device=cast.device)
 
-    # measured at the configured shapes: refused first where one answer's forward, times
-    # the rows, would not fit the memory free now (it would take the machine down instead)
+    # measured at the configured shapes: refused first where the forward, extrapolated from
+    # 1 and 2 answers, would not fit the memory free now (it would take the machine down)
     micro = p.micro_batch_size or n // p.minibatches
-    refuse_unmeasurable(cast, cfg, ids(1), min(r.score_micro_batch, n), micro)
+    refuse_unmeasurable(cast, cfg, ids, min(r.score_micro_batch, n), micro)
     seqs, mask = ids(min(r.score_micro_batch, n))
     b = len(seqs)  # random ids: b distinct prompts, the worst case of the probe
     mc = cfg.monitor

@@ -97,13 +97,15 @@ def fit_line(device, peak: int) -> str | None:
     None where it fits or cannot be told."""
     import torch
 
-    from rlhflab.diagnostics.memory import free_bytes, peak_rss_bytes
+    from rlhflab.diagnostics.memory import free_bytes, rss_bytes
 
     free = free_bytes(device)
     if free is None:
         return None
     device = torch.device(device)
-    held = torch.cuda.memory_allocated(device) if device.type == "cuda" else peak_rss_bytes()
+    # what this process holds now (the models; the measured phases are freed, and counted
+    # as free again): the allocator's reserve on a GPU, the resident set on a CPU
+    held = torch.cuda.memory_reserved(device) if device.type == "cuda" else rss_bytes()
     if peak <= free + held:
         return None
     gib = 2**30
