@@ -54,17 +54,8 @@ def answer_config(model: str, config: str | None, overrides: list[str]) -> Confi
     path = Path(model).expanduser()
     run = not model.startswith("preset:") and path.is_dir() and is_run_dir(path)
     recorded = read_run_config(path) if run else None
-    try:
-        cfg = configbase.load(Config, config, overrides, recorded)
-    except ConfigError as exc:  # a value the run recorded (an older rlhflab took it)
-        field = configbase.field_of(str(exc))
-        if not (recorded and configbase.set_in(field, recorded, overrides)):
-            raise
-        unknown = str(exc).startswith("unknown config key")
-        fix = "remove it from that file" if unknown else f"give another with {field}=..."
-        raise ConfigError(
-            f"{path / 'config.yaml'}: {exc} (the run's recorded setting: {fix})"
-        ) from None
+    # a value the run recorded that this rlhflab refuses (an older one took it) names the file
+    cfg = configbase.load(Config, config, overrides, recorded, path / "config.yaml")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     return cfg

@@ -205,9 +205,13 @@ def load(
     path: str | Path | None = None,
     overrides: list[str] | dict | None = None,
     base: dict | None = None,
+    base_file: str | Path | None = None,
 ) -> Any:
-    """Load ``cls`` from a YAML file (optional) on top of ``base``, then apply overrides."""
+    """Load ``cls`` from a YAML file (optional) on top of ``base``, then apply overrides.
+    An error about a value the file set names the file; one about a value ``base`` set
+    names ``base_file`` where given (a run's recorded config.yaml), with how to replace it."""
     data: dict = _deep_copy(base or {})
+    loaded: dict = {}
     if path is not None:
         try:
             raw = Path(path).read_bytes()
@@ -236,9 +240,14 @@ def load(
     try:
         return build(cls, data)
     except ConfigError as exc:  # a value the file set: the file named, as for its syntax
-        if path is None or not set_in(field_of(str(exc)), loaded, overrides):
-            raise
-        raise ConfigError(f"{path}: {exc}") from None
+        field = field_of(str(exc))
+        if path is not None and set_in(field, loaded, overrides):
+            raise ConfigError(f"{path}: {exc}") from None
+        if base_file is not None and set_in(field, base or {}, overrides):
+            unknown = str(exc).startswith("unknown config key")
+            fix = "remove it from that file" if unknown else f"give another with {field}=..."
+            raise ConfigError(f"{base_file}: {exc} (the run's recorded setting: {fix})") from None
+        raise
 
 
 def field_of(message: str) -> str:
