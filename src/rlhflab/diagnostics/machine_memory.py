@@ -10,16 +10,22 @@ from pathlib import Path
 import torch
 
 
-def rss_bytes() -> int:
-    """Resident set size of this process now (Linux ``VmRSS``; elsewhere the peak)."""
+def _status_bytes(key: str) -> int | None:
+    """A ``/proc/self/status`` figure (kB) in bytes; None off Linux."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return peak_rss_bytes()
+    return None
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process now (Linux ``VmRSS``; elsewhere the peak)."""
+    now = _status_bytes("VmRSS")
+    return now if now is not None else peak_rss_bytes()
 
 
 def peak_rss_bytes() -> int:
@@ -30,13 +36,9 @@ def peak_rss_bytes() -> int:
     mark into it), so a worker started by a big parent would report the parent's peak.
     Elsewhere ``ru_maxrss`` (macOS reports bytes, other systems KiB).
     """
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    peak = _status_bytes("VmHWM")
+    if peak is not None:
+        return peak
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
 
