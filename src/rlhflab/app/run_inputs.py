@@ -16,11 +16,10 @@ log = logging.getLogger(__name__)
 def inputs_folder(parent: Path, resume: bool) -> Path:
     """Where this start writes what a Python caller passed as objects, in the run folder
     ``parent``: a resumed run, the folder its config.yaml names (the data it began with;
-    else the newest); a fresh
-    start, ``inputs/`` — or, where that holds an earlier start's files, ``inputs-<UTC
-    time>/``: writing over them would change the data the earlier run's config.yaml names
-    (its logs and checkpoints are set aside, not its inputs) and, if this start never
-    trains, that run's own, which a resume would then read."""
+    else the newest); a fresh start, ``inputs/`` — or, where that holds an earlier start's
+    files, ``inputs-<UTC time>/``: writing over them would change the data the earlier
+    run's config.yaml names (its logs and checkpoints are set aside, not its inputs) and,
+    if this start never trains, that run's own, which a resume would then read."""
     starts = sorted(
         p for p in parent.glob("inputs*") if p.is_dir() and p.name.split("-")[0] == "inputs"
     )
