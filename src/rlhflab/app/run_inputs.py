@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from rlhflab.config import Config
+from rlhflab.trainers.resume_checks import read_recorded_config
 
 log = logging.getLogger(__name__)
 
@@ -40,15 +41,10 @@ def inputs_folder(parent: Path, resume: bool) -> Path:
 def _named_inputs(parent: Path, starts: list[Path]) -> Path | None:
     """The inputs folder among ``starts`` that a path in ``parent``'s config.yaml lies in
     (its data, its policy's copy), or None."""
-    import yaml
-
-    try:
-        saved = yaml.safe_load((parent / "config.yaml").read_text(encoding="utf-8"))
-    except (OSError, ValueError, yaml.YAMLError):
-        return None
+    saved = _recorded(parent)
     found = {p.resolve(): p for p in starts}
     # the policy's copy first: a resume given other data put only that in a newer folder
-    policy = ((saved or {}).get("model") or {}).get("policy") if isinstance(saved, dict) else None
+    policy = (saved.get("model") or {}).get("policy")
     values = [saved, policy]
     while values:
         v = values.pop()
@@ -67,19 +63,20 @@ def set_data(cfg: Config, given: str | None, dotted: str, run_dir, resume: bool)
     """The data setting ``dotted`` (``data.prompts``, ``dpo.data`` …) set to ``given``; on a
     resume given none, with the config's unset, the run's own from its config.yaml: else
     the run would go on with the built-in data instead of what it trained on."""
-    import yaml
-
     section, key = dotted.split(".")
     values = getattr(cfg, section)
     if given is not None or not resume or getattr(values, key) is not None:
         if given is not None:
             setattr(values, key, given)
         return
-    try:
-        saved = yaml.safe_load((Path(run_dir) / "config.yaml").read_text(encoding="utf-8"))
-        recorded = (saved.get(section) or {}).get(key)
-    except (OSError, ValueError, AttributeError, yaml.YAMLError):
-        return  # no record to go on from (the resume's own checks say what is wrong)
+    recorded = ((_recorded(Path(run_dir)).get(section)) or {}).get(key)
     if recorded is not None:
         log.info("resuming with the run's own %s: %s", dotted, recorded)
         setattr(values, key, recorded)
+
+
+def _recorded(run_dir: Path) -> dict:
+    """The run's config.yaml as a dict; {} where there is none (a first start) or it cannot
+    be read (warned: the resume's own checks say what is wrong)."""
+    path = run_dir / "config.yaml"
+    return read_recorded_config(path) if path.is_file() else {}
