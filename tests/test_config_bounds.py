@@ -78,6 +78,13 @@ def test_settings_that_would_do_nothing_are_refused_or_said(caplog):
     with caplog.at_level("WARNING"):
         warn_about_settings(load_config(overrides=[rm, "reward.ensemble_combine=uwo"]))
     assert "reward.ensemble_combine=uwo combines the members of reward.ensemble" in caplog.text
+    # no phrases: the flattery signals would read 0 for ever, silently
+    with caplog.at_level("WARNING"):
+        warn_about_settings(load_config(overrides=[rm, "monitor.phrases=[]"]))
+    assert "monitor.phrases is empty" in caplog.text
+    # a blank phrase is in every answer: flattery_rate 1 and an alert at once
+    with pytest.raises(ConfigError, match="monitor.phrases: entry 1 is blank"):
+        load_config(overrides=[rm, "monitor.phrases=[Great question, ' ']"])
 
 
 def test_a_value_an_older_run_recorded_is_named_with_its_file(tmp_path, capsys):

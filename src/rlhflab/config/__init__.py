@@ -141,6 +141,11 @@ def validate(cfg: Config, stage: str = "ppo", reward_given: bool = False) -> Con
     if stage in ("sft", "rm", "dpo"):
         return cfg
     mon = cfg.monitor
+    blank = [i for i, p in enumerate(mon.phrases) if not p.strip()]
+    if blank:  # "" is in every answer: flattery_rate would read 1 and alert at once
+        raise ConfigError(
+            f"monitor.phrases: entry {blank[0]} is blank; it would match every answer"
+        )
     if mon.enabled and mon.response == "raise_kl" and mon.kl_coef_max <= cfg.ppo.kl_coef:
         raise ConfigError(
             f"monitor.kl_coef_max: {mon.kl_coef_max} is not above ppo.kl_coef "

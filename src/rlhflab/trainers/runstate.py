@@ -40,6 +40,13 @@ def warn_about_settings(cfg: Config) -> None:
             "has none, so it does nothing",
             cfg.reward.ensemble_combine,
         )
+    mon = cfg.monitor
+    flattery = (mon.flattery_rate, mon.flattery_excess, mon.flattery_opener_ratio)
+    if mon.enabled and not mon.phrases and any(t is not None for t in flattery):
+        log.warning(
+            "monitor.phrases is empty: the flattery signals (flattery_rate, "
+            "flattery_excess, flattery_opener_ratio) measure nothing and never alert"
+        )
     if cfg.rollout.logprobs_from_sampling and cfg.model.compute_dtype != "fp32":
         # measured by benchmarks/bf16_speedup.py (docs/real-models.md, "Precision")
         log.warning(
