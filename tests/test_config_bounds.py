@@ -116,3 +116,26 @@ def test_an_unknown_key_in_a_file_names_the_file(tmp_path, capsys):
     cfg.write_text("monitor:\n  thresholds:\n    flattery_rate: 2\n")
     assert main(["ppo", "--config", str(cfg)]) == 2
     assert f"error: {cfg}: unknown config key monitor.thresholds;" in capsys.readouterr().err
+
+
+def test_numbers_are_read_as_yaml_1_2_decimals_in_files_and_overrides(tmp_path):
+    # PyYAML's YAML 1.1 took `seed: 010` as octal 8, `1:30` as 90 and `0x10` as 16 without a
+    # word, and `1e-5` as a string; numbers are decimal now, the rest refused by name
+    for text, want in (("010", 10), ("1_000", 1000), ("-0", 0)):
+        assert load_config(overrides=[REWARD, f"seed={text}"]).seed == abs(want)
+    assert load_config(overrides=[REWARD, "ppo.lr=1e-5"]).ppo.lr == 1e-5
+    assert load_config(overrides=[REWARD, "ppo.lr=.5e-5"]).ppo.lr == 5e-6
+    for text in ("0x10", "0o10", "1:30"):
+        with pytest.raises(ConfigError, match=f"ppo.iterations: expected int, got '{text}'"):
+            load_config(overrides=[REWARD, f"ppo.iterations={text}"])
+    config = tmp_path / "c.yaml"
+    config.write_text("seed: 010\nppo:\n  lr: 3e-6\n  iterations: 1:30\n")
+    with pytest.raises(ConfigError, match="ppo.iterations: expected int, got '1:30'"):
+        load_config(config, overrides=[REWARD])
+    config.write_text("seed: 010\nppo:\n  lr: 3e-6\n  kl_target: null\n")
+    cfg = load_config(config, overrides=[REWARD])
+    assert (cfg.seed, cfg.ppo.lr, cfg.ppo.kl_target) == (10, 3e-6, None)
+    # PyYAML itself is left as it was for everyone else
+    import yaml
+
+    assert yaml.safe_load("010") == 8

@@ -166,7 +166,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not raw.strip():
         return key.strip().split("."), ""
     try:
-        return key.strip().split("."), yaml.safe_load(raw)
+        return key.strip().split("."), load_yaml_text(raw)
     except yaml.YAMLError as exc:
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise ConfigError(
@@ -288,8 +288,44 @@ class _RepeatedSetting(Exception):
     """(key, line): a mapping of a config file that sets one key twice."""
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """yaml.safe_load's loader, except that a key given twice in one mapping is an error:
+_INT_TAG, _FLOAT_TAG = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+# YAML 1.2's numbers, not PyYAML's YAML 1.1 ones: there `seed: 010` is octal (8), `1:30`
+# sexagesimal (90) and `0x10` hex (16) — numbers a config did not mean, taken silently —
+# while `1e-5` (no dot) is a string. Here an integer is decimal (leading zeros too, `_`
+# between digits allowed) and `1e-5` is a float; anything else stays a string, which a
+# numeric field then refuses by name.
+_DECIMAL_INT = re.compile(r"^[-+]?[0-9](_?[0-9])*$")
+_DECIMAL_FLOAT = re.compile(
+    r"^(?:[-+]?(?:\.[0-9]+|[0-9](?:_?[0-9])*(?:\.[0-9_]*)?)(?:[eE][-+]?[0-9]+)?"
+    r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+)
+
+
+class ConfigYamlLoader(yaml.SafeLoader):
+    """yaml.safe_load's loader with YAML 1.2's decimal numbers (above), for config files
+    and ``key=value`` overrides."""
+
+    yaml_implicit_resolvers = {
+        first: [(tag, rx) for tag, rx in resolvers if tag not in (_INT_TAG, _FLOAT_TAG)]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+
+    def construct_decimal_int(self, node) -> int:
+        return int(self.construct_scalar(node).replace("_", ""), 10)
+
+
+ConfigYamlLoader.add_implicit_resolver(_INT_TAG, _DECIMAL_INT, list("-+0123456789"))
+ConfigYamlLoader.add_implicit_resolver(_FLOAT_TAG, _DECIMAL_FLOAT, list("-+0123456789."))
+ConfigYamlLoader.add_constructor(_INT_TAG, ConfigYamlLoader.construct_decimal_int)
+
+
+def load_yaml_text(text: str) -> Any:
+    """A YAML value as config files and overrides read it (:class:`ConfigYamlLoader`)."""
+    return yaml.load(text, Loader=ConfigYamlLoader)
+
+
+class _UniqueKeyLoader(ConfigYamlLoader):
+    """The config loader, except that a key given twice in one mapping is an error:
     PyYAML keeps the last silently, so `lr: 1e-5` above `lr: -5` trained with −5."""
 
     def construct_mapping(self, node, deep=False):
