@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 import torch
-from vs_trl import bare_llama
+from vs_trl_work import bare_llama
 
 
 def main(reps: int = 5) -> None:

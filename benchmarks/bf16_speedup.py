@@ -13,7 +13,7 @@ hardware (AMX), and what it costs in arithmetic, on the two works the TRL compar
 Rows per work: rlhflab fp32 and bf16 (``model.runtime=native``, torch's MKL for the
 products: numpy's OpenBLAS multiplies fp32 only), TRL 1.12.0 fp32 and with its own
 ``bf16=True`` (passed as ``accelerate launch --mixed_precision bf16`` does: see
-``vs_trl.run_trl``), each in a fresh worker process on the allocator each side starts on,
+``trl_ppo.run_trl``), each in a fresh worker process on the allocator each side starts on,
 rows alternating within a round; the first ``--warmup`` iterations are not timed. Each
 rlhflab row is the same config as in ``vs_trl.py`` / ``vs_trl_real.py`` but for
 ``model.compute_dtype`` (and ``cpu_matmul=torch``), so the speed-up is the dtype's alone.
@@ -44,7 +44,10 @@ import os
 import sys
 from pathlib import Path
 
-import vs_trl as base
+import trl_ppo
+from trl_ppo import TRL_VERSION, setup_trl_env
+from vs_trl_work import ROLLOUTS, SIZES, build_models, rlhflab_config
+from worker_process import launch, summarise, timed_fit
 
 HERE = Path(__file__).resolve().parent
 WORKS = ("25M", "SmolLM2-135M")
@@ -52,9 +55,9 @@ ROWS = ("rlhflab-fp32", "rlhflab-bf16", "trl-fp32", "trl-bf16")
 
 
 def _real():
-    import vs_trl_real
+    import vs_trl_real_work
 
-    return vs_trl_real
+    return vs_trl_real_work
 
 
 def threads(work: str) -> int:
@@ -70,7 +73,7 @@ def run_rlhflab(work: str, folder: Path, iterations: int, dtype: str) -> dict:
     from rlhflab.trainers.ppo import PPOTrainer
 
     if work == "25M":
-        cfg = base.rlhflab_config(folder, base.SIZES["25M"][4], iterations, "native", "torch")
+        cfg = rlhflab_config(folder, SIZES["25M"][4], iterations, "native", "torch")
     else:
         cfg = _real().rlhflab_real_config(folder, iterations, "rlhflab", {"cpu_matmul": "torch"})
     cfg["model"]["compute_dtype"] = dtype
@@ -78,7 +81,7 @@ def run_rlhflab(work: str, folder: Path, iterations: int, dtype: str) -> dict:
     cfg["log"]["earlier_run"] = "replace"
     trainer = PPOTrainer(load_config(base=cfg))
     trainer.save = lambda *a, **k: None  # no end-of-run checkpoint (TRL writes none)
-    out = base.timed_fit(trainer)
+    out = timed_fit(trainer)
     first = trainer.first_minibatch or {}
     out["first_ratio_max_minus_1"] = first.get("policy/ratio_max", float("nan")) - 1
     return out
@@ -87,9 +90,9 @@ def run_rlhflab(work: str, folder: Path, iterations: int, dtype: str) -> dict:
 def run_trl(work: str, folder: Path, iterations: int, dtype: str) -> dict:
     bf16 = dtype == "bf16"
     if work == "25M":
-        return base.run_trl(folder, base.SIZES["25M"][4], iterations, bf16=bf16)
+        return trl_ppo.run_trl(folder, SIZES["25M"][4], iterations, bf16=bf16)
     real = _real()
-    return base.run_trl(
+    return trl_ppo.run_trl(
         folder, real.ANSWER, iterations, real.ROLLOUTS, real.EPOCHS, real.THREADS, real.PAD,
         bf16=bf16,
     )  # fmt: skip
@@ -106,7 +109,7 @@ def worker_main(argv: list[str]) -> None:
 def models_for(work: str, root: Path) -> tuple[Path, Path]:
     """The work's model folder and the policy folder inside it."""
     if work == "25M":
-        folder = base.build_models("25M", root / "models-25M")
+        folder = build_models("25M", root / "models-25M")
         return folder, folder / "policy"
     real = _real()
     policy = real.load_example("prepare").default_folder()
@@ -119,7 +122,7 @@ def accuracy(work: str, policy: Path) -> dict:
     import compute_dtype
 
     if work == "25M":
-        prompts, tokens = base.ROLLOUTS, base.SIZES["25M"][4]
+        prompts, tokens = ROLLOUTS, SIZES["25M"][4]
     else:
         prompts, tokens = _real().ROLLOUTS, _real().ANSWER
     args = argparse.Namespace(
@@ -148,7 +151,7 @@ def main() -> None:
     ap.add_argument("--work", default=str(HERE / ".vs_trl"), help="models, runs, TRL's venv")
     args = ap.parse_args()
     root = Path(args.work)
-    trl_py = str(base.setup_trl_env(root / f"trl-{base.TRL_VERSION}"))
+    trl_py = str(setup_trl_env(root / f"trl-{TRL_VERSION}"))
     print(cpu_line(), flush=True)
     print(f"load average before: {os.getloadavg()[0]:.1f}", flush=True)
     results = {}
@@ -159,7 +162,7 @@ def main() -> None:
             for row in args.rows:
                 trl = row.startswith("trl")
                 runs[row].append(
-                    base.launch(
+                    launch(
                         trl_py if trl else sys.executable,
                         [row, work, str(folder), str(args.warmup + args.iterations)],
                         "system" if trl else "auto",
@@ -169,9 +172,9 @@ def main() -> None:
                         what=f"{row} {work}",
                     )
                 )
-                s = base.summarise(runs[row][-1:], args.warmup)["s_per_it"]
+                s = summarise(runs[row][-1:], args.warmup)["s_per_it"]
                 print(f"  round {r + 1} {work} {row}: {s:.2f} s/it", flush=True)
-        table = {row: base.summarise(rs, args.warmup) for row, rs in runs.items()}
+        table = {row: summarise(rs, args.warmup) for row, rs in runs.items()}
         for row in args.rows:
             if row.startswith("rlhflab"):
                 table[row]["first_ratio_max_minus_1"] = max(

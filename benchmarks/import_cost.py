@@ -85,7 +85,7 @@ def main() -> None:
         if not args.build:
             sys.exit(f"{folder} is missing: run benchmarks/vs_trl.py once, or pass --build")
         sys.path.insert(0, str(HERE))
-        from vs_trl import build_models
+        from vs_trl_work import build_models
 
         build_models("0.2M", folder)
     for runtime, steps in STEPS.items():

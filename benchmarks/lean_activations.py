@@ -21,7 +21,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from vs_trl import SIZES, _peak_rss_mib, bare_llama  # noqa: E402
+from vs_trl_work import SIZES, bare_llama  # noqa: E402
+from worker_process import _peak_rss_mib  # noqa: E402
 
 
 def worker(mode: str, size: str, tokens: int, steps: int) -> dict:

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 torch.set_num_threads(1)
 import vs_trl
+from vs_trl_work import SIZES
 from rlhflab import config
 
 def status(key):
@@ -49,9 +50,10 @@ def load_config(base, _load=config.load_config, **kw):  # this run's folder, a c
 
 config.load_config = load_config
 made = {}
+# run_rlhflab calls timed_fit through vs_trl's own name for it (from worker_process)
 vs_trl.timed_fit = lambda trainer: made.setdefault("trainer", trainer)
 folder = Path(vs_trl.__file__).parent / ".vs_trl" / f"models-{size}"
-vs_trl.run_rlhflab(folder, vs_trl.SIZES[size][4], int(iterations), False, "native", "torch")
+vs_trl.run_rlhflab(folder, SIZES[size][4], int(iterations), False, "native", "torch")
 trainer = made["trainer"]
 loading = {}
 inner = trainer.load_checkpoint

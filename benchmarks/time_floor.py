@@ -25,7 +25,7 @@ critic's parameters, one update of each per epoch, the gradient taken as in cach
 
 The work is ``vs_trl.py``'s (its SIZES, 16 rollouts, 4 epochs of one minibatch; any other
 shapes as a ``Work``, e.g. ``vs_trl_real.py``'s SmolLM2-135M from its config.json) with the
-rows counted as ``vs_trl.forward_flops`` counts them: the last layer's queries, attention
+rows counted as ``ppo_flops.forward_flops`` counts them: the last layer's queries, attention
 output and MLP only on the rows that are read, the value and reward heads omitted (one
 column). Sampling: a prefill over the prompt, then one step of one row per answer for
 each further answer token.
@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 from cpu_matmul import cpu_name, rate  # this folder's benchmark: one timing loop for all
 from floor_memory import adamw_seconds_per_parameter, set_threads, streamed_step_seconds
-from vs_trl import EPOCHS, ROLLOUTS, SIZES
+from vs_trl_work import EPOCHS, ROLLOUTS, SIZES
 
 from rlhflab.backends.cpu_blas import set_numpy_blas_threads
 

@@ -4,7 +4,7 @@ The critic-free half of ``vs_trl.py``: TRL's ``GRPOTrainer`` and ``RLOOTrainer``
 current TRL (1.16.0 here), which ``--setup`` installs into its own virtual environment with
 our torch and transformers versions. Models, tokenizer, prompts, sizes, the A B A B
 alternation, the warm-up and the reported numbers are ``vs_trl.py``'s (its helpers are
-imported). The work per iteration, equal on both sides:
+imported from the modules it is built on). The work per iteration, equal on both sides:
 
 * 4 prompts × G = 4 answers = 16 rollouts, answers exactly as long as the size says: TRL is
   given ``min_new_tokens`` = ``max_completion_length``, rlhflab ``rollout.ignore_eos``;
@@ -43,11 +43,16 @@ import sys
 import time
 from pathlib import Path
 
-import vs_trl as base
+import trl_ppo
+import vs_trl_work
+from ppo_flops import matmul_ceiling
+from trl_ppo import TRL_COMMON, setup_trl_env
+from vs_trl_work import ROLLOUTS, SIZES, build_models, prompt_length
+from worker_process import _peak_rss_mib, evict_torch_libraries, summarise, timed_fit
 
 HERE = Path(__file__).resolve().parent
 TRL_VERSION = "1.16.0"
-GROUP, LR = 4, base.LR
+GROUP, LR = 4, vs_trl_work.LR
 BETA = {"grpo": 0.04, "rloo": 0.05}
 
 
@@ -84,7 +89,7 @@ def run_rlhflab(
         },
         "reward": {"model": str(folder / "reward"), "normalize": "none", "clip": None},
         "rollout": {
-            "prompts_per_iteration": base.ROLLOUTS,
+            "prompts_per_iteration": ROLLOUTS,
             "max_new_tokens": answer,
             "ignore_eos": True,
             "temperature": 1.0,
@@ -109,7 +114,7 @@ def run_rlhflab(
         },
         "monitor": {"enabled": False},
     }
-    return base.timed_fit(GRPOTrainer(load_config(base=cfg, stage=algo), None, algo))
+    return timed_fit(GRPOTrainer(load_config(base=cfg, stage=algo), None, algo))
 
 
 def run_trl(folder: Path, answer: int, iterations: int, algo: str) -> dict:
@@ -136,7 +141,7 @@ def run_trl(folder: Path, answer: int, iterations: int, algo: str) -> dict:
     ]
     args = Config(
         output_dir=str(folder / f"run-trl-{algo}"),
-        per_device_train_batch_size=base.ROLLOUTS,
+        per_device_train_batch_size=ROLLOUTS,
         gradient_accumulation_steps=1,
         steps_per_generation=1,
         num_generations=GROUP,
@@ -151,7 +156,7 @@ def run_trl(folder: Path, answer: int, iterations: int, algo: str) -> dict:
         learning_rate=LR,
         max_steps=iterations,
         lr_scheduler_type="constant",
-        **base.TRL_COMMON,
+        **TRL_COMMON,
         **extra,
     )
     reward = AutoModelForSequenceClassification.from_pretrained(folder / "reward", num_labels=1)
@@ -182,7 +187,7 @@ def run_trl(folder: Path, answer: int, iterations: int, algo: str) -> dict:
     )
     start = time.perf_counter()
     trainer.train()
-    return {"start": start, "ticks": ticks, "gen_tps": gen, "peak_mib": base._peak_rss_mib()}
+    return {"start": start, "ticks": ticks, "gen_tps": gen, "peak_mib": _peak_rss_mib()}
 
 
 def worker_main(argv: list[str]) -> None:
@@ -211,11 +216,11 @@ def run_side(
     env["TOKENIZERS_PARALLELISM"] = "false"
     env = environment(allocator, env)
     env["PYTHONPATH"] = str(HERE.parent / "src") if side != "trl" else ""
-    answer = str(base.SIZES[size][4])
+    answer = str(SIZES[size][4])
     cmd = [python, __file__, "--worker", side, algo, str(folder), answer, str(iterations)]
     if side != "trl":
         cmd += [runtime, cpu_matmul]
-    base.evict_torch_libraries(python)
+    evict_torch_libraries(python)
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
@@ -243,7 +248,7 @@ def main() -> None:
         return worker_main(sys.argv[2:])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--algos", nargs="+", default=["grpo", "rloo"], choices=["grpo", "rloo"])
-    ap.add_argument("--sizes", nargs="+", default=list(base.SIZES), choices=list(base.SIZES))
+    ap.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     ap.add_argument("--iterations", type=int, default=10, help="timed iterations per run")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=2, help="A B rounds per size")
@@ -254,19 +259,19 @@ def main() -> None:
     ap.add_argument("--allocator", default="auto", choices=("auto", "mimalloc", "system"))
     ap.add_argument("--trl-allocator", default="system", choices=("auto", "mimalloc", "system"))
     args = ap.parse_args()
-    base.evict_torch_libraries(sys.executable)  # before this process imports torch (vs_trl.py)
+    evict_torch_libraries(sys.executable)  # before this process imports torch (vs_trl.py)
     work = Path(args.work)
-    base.TRL_VERSION = TRL_VERSION  # setup_trl_env installs the module's version
-    trl_py = str(base.setup_trl_env(work / f"trl-{TRL_VERSION}"))
+    trl_ppo.TRL_VERSION = TRL_VERSION  # setup_trl_env installs the module's version
+    trl_py = str(setup_trl_env(work / f"trl-{TRL_VERSION}"))
     if args.setup:
         print(f"TRL {TRL_VERSION} environment ready: {trl_py}")
         return
     total, results = args.warmup + args.iterations, {}
     for size in args.sizes:
-        folder = base.build_models(size, work / f"models-{size}")
+        folder = build_models(size, work / f"models-{size}")
         cpu_matmul = args.cpu_matmul
         if cpu_matmul == "auto":
-            ceiling = base.matmul_ceiling(size, base.prompt_length(folder))
+            ceiling = matmul_ceiling(size, prompt_length(folder))
             cpu_matmul = "numpy" if ceiling["numpy"] > ceiling["torch"] else "torch"
         ours = (args.allocator, args.runtime, cpu_matmul)
         for algo in args.algos:
@@ -278,7 +283,7 @@ def main() -> None:
                 runs["trl"].append(
                     run_side(trl_py, "trl", algo, folder, size, total, args.trl_allocator)
                 )
-            row = {k: base.summarise(v, args.warmup) for k, v in runs.items()}
+            row = {k: summarise(v, args.warmup) for k, v in runs.items()}
             row["cpu_matmul"] = cpu_matmul
             results[f"{algo} {size}"] = row
             print(format_row(algo, size, row), flush=True)

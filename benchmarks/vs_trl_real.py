@@ -25,7 +25,7 @@ same text without special tokens.
 × 24 answer tokens forced (EOS an ordinary token on both sides), 2 PPO epochs of one
 minibatch, fp32, 2 threads, rlhflab's monitors off; k1 KL in the reward with β = 0.05,
 clip 0.2 / value clip 0.2, γ = 1, λ = 0.95, lr 3e-6, no gradient clip (TRL 1.12 clips
-none) — ``vs_trl.rlhflab_config`` and ``vs_trl.run_trl`` with these sizes (so rlhflab
+none) — ``vs_trl_work.rlhflab_config`` and ``trl_ppo.run_trl`` with these sizes (so rlhflab
 draws every row's tokens with ``rollout.sampler=gumbel``, the same softmax as TRL's
 ``torch.multinomial`` through the Gumbel-max trick, since 2026-12-07). SmolLM2's
 tokenizer pads with its EOS, ``<|im_end|>``, which occurs twice in every chat prompt; TRL
@@ -41,7 +41,7 @@ Rows (``--rows``):
   fairness: TRL's one precision switch. TRL 1.12's PPOTrainer builds its own Accelerator
   without the config's precision, and transformers 5.25 no longer passes it on, so
   ``bf16=True`` alone runs fp32 (checked: the same first-iteration metrics to the last
-  digit); ``vs_trl.run_trl`` passes it as ``accelerate launch --mixed_precision bf16``
+  digit); ``trl_ppo.run_trl`` passes it as ``accelerate launch --mixed_precision bf16``
   does, through ``ACCELERATE_MIXED_PRECISION``, and the table shows the precision TRL's
   accelerator ran in. What it then lowers: accelerate's bf16 autocast around the training
   forward of policy and value model; sampling, reference, reward and the rollout's value
@@ -98,82 +98,89 @@ Nothing here runs inside ``make test``.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import statistics
 import sys
 from pathlib import Path
 
-import vs_trl as base
+from ppo_flops import frozen_precision_rates
+from trl_ppo import TRL_VERSION, run_trl, setup_trl_env
+from vs_trl_real_kl import kl_to_full_precision, write_eval_answers
+from vs_trl_real_report import format_table, ratio_lines, summarise
+from vs_trl_real_work import (
+    ANSWER,
+    EPOCHS,
+    FULL,
+    NAME,
+    PAD,
+    ROLLOUTS,
+    ROWS,
+    THREADS,
+    build_real_models,
+    load_example,
+    rlhflab_real_config,
+)
+from vs_trl_work import prompt_length
+from worker_process import launch, timed_fit
 
 HERE = Path(__file__).resolve().parent
-SMOLLM2 = HERE.parent / "examples" / "smollm2"
-NAME = "SmolLM2-135M"
-ROLLOUTS, ANSWER, EPOCHS, THREADS = 8, 24, 2, 2
-LORA_R, LORA_ALPHA, LEVER_LR = 8, 16.0, 1e-4  # examples/smollm2/ppo.yaml's LoRA
-PAD = "[PAD]"  # TRL's side only (see the module docstring)
-EVAL_SEED = 1234
-ROWS = {
-    "rlhflab": "rlhflab, native runtime, fp32",
-    "trl": "TRL 1.12.0, fp32",
-    "rlhflab-tf": "rlhflab, transformers runtime, fp32",
-    "trl-bf16": "TRL 1.12.0, bf16=True",
-    "levers": "rlhflab with levers",
-}
-FULL = "levers-fp32"  # the levers with the precision levers off: the KL's reference
 
 
-def load_example(name: str):
-    """A module of examples/smollm2 (task.py, prepare.py), imported from its file."""
-    spec = importlib.util.spec_from_file_location(f"smollm2_{name}", SMOLLM2 / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-# ---------------------------------------------------------------- set-up (our interpreter)
-def build_real_models(policy: Path, folder: Path) -> Path:
-    """policy/ (a link to the converted checkpoint), reward/ (a one-label classifier with
-    SmolLM2's backbone and a fresh score head, seed 0; also the critic's start),
-    prompts.jsonl (the 70 training sums, chat-rendered) and eval.jsonl (8 held-out ones)."""
-    if (folder / "prompts.jsonl").exists():
-        return folder
+# ------------------------------------------------------------- workers (one process each)
+def run_rlhflab_real(folder: Path, iterations: int, side: str, opts: dict) -> dict:
     import torch
-    from transformers import (
-        AutoTokenizer,
-        LlamaConfig,
-        LlamaForCausalLM,
-        LlamaForSequenceClassification,
+
+    torch.set_num_threads(THREADS)
+    from rlhflab.config import load_config
+    from rlhflab.trainers.ppo import PPOTrainer
+
+    trainer = PPOTrainer(load_config(base=rlhflab_real_config(folder, iterations, side, opts)))
+    trainer.save = lambda *a, **k: None  # no end-of-run checkpoint: TRL writes none either
+    out = timed_fit(trainer)  # its peak is read here, before the evaluation below
+    answers = folder / "eval-answers.pt"
+    if side == FULL:
+        out.update(write_eval_answers(trainer, folder, answers))
+    elif side == "levers" and opts.get("kl"):
+        out.update(kl_to_full_precision(trainer, answers))
+    return out
+
+
+def worker_main(argv: list[str]) -> None:
+    side, folder, iterations, opts = argv[0], Path(argv[1]), int(argv[2]), json.loads(argv[3])
+    if side in ("trl", "trl-bf16"):
+        out = run_trl(
+            folder, ANSWER, iterations, ROLLOUTS, EPOCHS, THREADS, PAD, bf16=side == "trl-bf16"
+        )
+    else:
+        out = run_rlhflab_real(folder, iterations, side, opts)
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+# ------------------------------------------------------------------------------ the driver
+def run_row(python: str, side: str, folder: Path, iterations: int, opts: dict, args) -> dict:
+    trl = side.startswith("trl")
+    return launch(
+        python,
+        [side, str(folder), str(iterations), json.dumps(opts)],
+        args.trl_allocator if trl else args.allocator,
+        THREADS,
+        ours=not trl,
+        script=Path(__file__),
+        what=side,
     )
 
-    if not (policy / "config.json").is_file():
-        sys.exit(f"{policy}: no converted SmolLM2; run python examples/smollm2/prepare.py first")
-    folder.mkdir(parents=True, exist_ok=True)
-    link = folder / "policy"
-    if not link.exists():
-        link.symlink_to(policy.resolve(), target_is_directory=True)
-    tok = AutoTokenizer.from_pretrained(policy)
-    torch.manual_seed(0)
-    reward = LlamaForSequenceClassification(LlamaConfig.from_pretrained(policy, num_labels=1))
-    backbone = LlamaForCausalLM.from_pretrained(policy).model.state_dict()
-    reward.model.load_state_dict(backbone)  # strict: every backbone weight, nothing else
-    reward.save_pretrained(folder / "reward")
-    tok.save_pretrained(folder / "reward")
-    task = load_example("task")
-    train, heldout = task.problems()
-    for name, items in (("eval.jsonl", heldout[:ROLLOUTS]), ("prompts.jsonl", train)):
-        rows = [
-            {
-                "prompt": tok.apply_chat_template(
-                    [{"role": "user", "content": task.QUESTION.format(a=a, b=b)}],
-                    tokenize=False,
-                    add_generation_prompt=True,
-                )
-            }
-            for a, b in items
-        ]
-        (folder / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return folder
+
+def choose_precisions(args, hidden: int, inter: int, rows: int) -> dict:
+    """The levers' reward precision and compute dtype: as asked, or (auto) as measured."""
+    out = {"reward": args.lever_reward, "compute": args.lever_compute}
+    if args.lever_reward == "auto":
+        low = frozen_precision_rates(hidden, inter, rows, THREADS)
+        out["reward"] = max(low, key=low.get)
+        print(f"levers' reward model in {out['reward']} (GFLOP/s {fmt_rates(low)})", flush=True)
+    if args.lever_compute == "auto":
+        rates = compute_rates(hidden, inter, rows, THREADS)
+        out["compute"] = "bf16" if rates["bf16"] > rates["fp32"] else "fp32"
+        print(f"levers' compute in {out['compute']} (GFLOP/s {fmt_rates(rates)})", flush=True)
+    return out
 
 
 def compute_rates(hidden: int, inter: int, rows: int, threads: int) -> dict[str, float]:
@@ -191,150 +198,6 @@ def compute_rates(hidden: int, inter: int, rows: int, threads: int) -> dict[str,
         "fp32": rate(lambda: torch.mm(x, w), flops, seconds=0.5),
         "bf16": rate(lambda: torch.mm(xb, wb), flops, seconds=0.5),
     }
-
-
-# ------------------------------------------------------------- workers (one process each)
-def rlhflab_real_config(folder: Path, iterations: int, side: str, opts: dict) -> dict:
-    """``vs_trl.rlhflab_config`` at this benchmark's sizes; the levers on top for
-    ``levers`` and (precision off) ``levers-fp32``."""
-    levers = side in ("levers", FULL)
-    runtime = "transformers" if side == "rlhflab-tf" or levers else "native"
-    compute = opts["compute"] if side == "levers" else "fp32"
-    # numpy multiplies fp32 only (model.cpu_matmul): bf16 compute goes through torch
-    cpu_matmul = "torch" if compute == "bf16" else opts["cpu_matmul"]
-    cfg = base.rlhflab_config(folder, ANSWER, iterations, runtime, cpu_matmul, ROLLOUTS, EPOCHS)
-    cfg["threads"] = THREADS
-    cfg["log"]["output_dir"] = str(folder / f"run-{side}")
-    if levers:
-        cfg["model"].update(
-            lora_r=LORA_R,
-            lora_alpha=LORA_ALPHA,
-            lora_targets="all-linear",
-            value_model="shared",
-            reward_precision=opts["reward"] if side == "levers" else "fp32",
-            compute_dtype=compute,
-        )
-        cfg["ppo"]["lr"] = LEVER_LR
-    return cfg
-
-
-def run_rlhflab_real(folder: Path, iterations: int, side: str, opts: dict) -> dict:
-    import torch
-
-    torch.set_num_threads(THREADS)
-    from rlhflab.config import load_config
-    from rlhflab.trainers.ppo import PPOTrainer
-
-    trainer = PPOTrainer(load_config(base=rlhflab_real_config(folder, iterations, side, opts)))
-    trainer.save = lambda *a, **k: None  # no end-of-run checkpoint: TRL writes none either
-    out = base.timed_fit(trainer)  # its peak is read here, before the evaluation below
-    answers = folder / "eval-answers.pt"
-    if side == FULL:
-        out.update(write_eval_answers(trainer, folder, answers))
-    elif side == "levers" and opts.get("kl"):
-        out.update(kl_to_full_precision(trainer, answers))
-    return out
-
-
-def answer_logprobs(model, ids, mask):
-    """log-softmax (N, A, V) of ``model``'s next-token distributions at the answer
-    positions of prompt + answer sequences ``ids``, fp32, no autocast."""
-    import torch
-
-    from rlhflab.models.forward import causal_forward
-
-    with torch.no_grad():
-        logits = causal_forward(model, ids, mask, keep_last=ANSWER + 1).logits[:, :ANSWER]
-    return torch.log_softmax(logits.float(), dim=-1)
-
-
-def mean_kl(p_log, q_log) -> tuple[float, float]:
-    """KL(p ‖ q) over the vocabulary per position, in nats: (mean, max) over positions."""
-    kl = (p_log.exp() * (p_log - q_log)).sum(-1)
-    return kl.mean().item(), kl.max().item()
-
-
-def write_eval_answers(trainer, folder: Path, path: Path) -> dict:
-    """The full-precision run's side of the KL: its answers to the held-out prompts and its
-    distributions on them (saved to ``path``); how far it moved from the base."""
-    import torch
-
-    from rlhflab.experience.rollout import generate_rollout
-
-    cast = trainer.cast
-    cast.policy.eval()
-    prompts = [
-        json.loads(x)["prompt"] for x in (folder / "eval.jsonl").read_text().split("\n") if x
-    ]
-    gen = torch.Generator(device=trainer.device).manual_seed(EVAL_SEED)
-    with torch.no_grad():  # T = 1, no top-k or top-p, EOS ignored: as the runs sample
-        ro = generate_rollout(
-            cast.policy_lm,
-            cast.tokenizer,
-            prompts,
-            max_new_tokens=ANSWER,
-            temperature=1.0,
-            top_k=0,
-            top_p=1.0,
-            generator=gen,
-            device=trainer.device,
-            ignore_eos=True,
-        )
-    ids, mask = ro.sequences, ro.attention_mask
-    policy = answer_logprobs(cast.policy_lm, ids, mask)
-    moved, moved_max = mean_kl(policy, answer_logprobs(cast.reference, ids, mask))
-    torch.save({"ids": ids, "mask": mask, "logprobs": policy}, path)
-    return {"kl_from_base": moved, "kl_from_base_max": moved_max}
-
-
-def kl_to_full_precision(trainer, path: Path) -> dict:
-    """KL(p_full ‖ p_levers) on the full-precision run's answers (``write_eval_answers``)."""
-    import torch
-
-    full = torch.load(path)
-    trainer.cast.policy.eval()
-    levers = answer_logprobs(trainer.cast.policy_lm, full["ids"], full["mask"])
-    kl, kl_max = mean_kl(full["logprobs"], levers)
-    return {"kl_to_full": kl, "kl_to_full_max": kl_max}
-
-
-def worker_main(argv: list[str]) -> None:
-    side, folder, iterations, opts = argv[0], Path(argv[1]), int(argv[2]), json.loads(argv[3])
-    if side in ("trl", "trl-bf16"):
-        out = base.run_trl(
-            folder, ANSWER, iterations, ROLLOUTS, EPOCHS, THREADS, PAD, bf16=side == "trl-bf16"
-        )
-    else:
-        out = run_rlhflab_real(folder, iterations, side, opts)
-    print("RESULT " + json.dumps(out), flush=True)
-
-
-# ------------------------------------------------------------------------------ the driver
-def run_row(python: str, side: str, folder: Path, iterations: int, opts: dict, args) -> dict:
-    trl = side.startswith("trl")
-    return base.launch(
-        python,
-        [side, str(folder), str(iterations), json.dumps(opts)],
-        args.trl_allocator if trl else args.allocator,
-        THREADS,
-        ours=not trl,
-        script=Path(__file__),
-        what=side,
-    )
-
-
-def choose_precisions(args, hidden: int, inter: int, rows: int) -> dict:
-    """The levers' reward precision and compute dtype: as asked, or (auto) as measured."""
-    out = {"reward": args.lever_reward, "compute": args.lever_compute}
-    if args.lever_reward == "auto":
-        low = base.frozen_precision_rates(hidden, inter, rows, THREADS)
-        out["reward"] = max(low, key=low.get)
-        print(f"levers' reward model in {out['reward']} (GFLOP/s {fmt_rates(low)})", flush=True)
-    if args.lever_compute == "auto":
-        rates = compute_rates(hidden, inter, rows, THREADS)
-        out["compute"] = "bf16" if rates["bf16"] > rates["fp32"] else "fp32"
-        print(f"levers' compute in {out['compute']} (GFLOP/s {fmt_rates(rates)})", flush=True)
-    return out
 
 
 def fmt_rates(rates: dict[str, float]) -> str:
@@ -380,14 +243,14 @@ def main() -> None:
     if args.quick:
         args.rounds, args.iterations, args.warmup = 1, 1, 0
     work = Path(args.work)
-    trl_py = str(base.setup_trl_env(work / f"trl-{base.TRL_VERSION}"))
+    trl_py = str(setup_trl_env(work / f"trl-{TRL_VERSION}"))
     if args.setup:
-        print(f"TRL {base.TRL_VERSION} environment ready: {trl_py}")
+        print(f"TRL {TRL_VERSION} environment ready: {trl_py}")
         return
     policy = Path(args.policy) if args.policy else load_example("prepare").default_folder()
     folder = build_real_models(policy, work / "models-smollm2")
     config = json.loads((folder / "policy" / "config.json").read_text())
-    prompt_tokens = base.prompt_length(folder)
+    prompt_tokens = prompt_length(folder)
     rows = ROLLOUTS * (prompt_tokens + ANSWER)
     print(
         f"{NAME}-Instruct: {ROLLOUTS} rollouts × ({prompt_tokens} prompt + {ANSWER} answer) "
@@ -452,111 +315,6 @@ def main() -> None:
     print(format_table(record))
     print()
     print("\n".join(ratio_lines(record)))
-
-
-def summarise(runs: list[dict], warmup: int) -> dict:
-    """``vs_trl.summarise`` plus the KL figures a levers run carries."""
-    out = base.summarise(runs, warmup)
-    if any("mixed_precision" in r for r in runs):  # TRL's accelerator, as it ran
-        out["mixed_precision"] = sorted({r["mixed_precision"] for r in runs})
-    for key in ("kl_to_full", "kl_to_full_max", "kl_from_base", "kl_from_base_max"):
-        values = [r[key] for r in runs if key in r]
-        if values:
-            out[key] = statistics.median(values)
-            out[key + "_runs"] = values
-    return out
-
-
-def row_label(side: str, record: dict) -> str:
-    if side in ("levers", FULL):
-        lv = record["levers"]
-        reward, compute = (lv["reward"], lv["compute"]) if side == "levers" else ("fp32", "fp32")
-        return (
-            f"rlhflab levers: LoRA r={LORA_R} all-linear, shared value head, reward {reward}, "
-            f"compute {compute}" + (" (full precision; one run)" if side == FULL else "")
-        )
-    ran = record["rows"].get(side, {}).get("mixed_precision")
-    return ROWS[side] + (f" (accelerator mixed precision: {'/'.join(ran)})" if ran else "")
-
-
-def format_table(record: dict) -> str:
-    res, floor, trl = record["rows"], record["floor_s"], record["rows"].get("trl")
-    lines = [
-        f"## {NAME}-Instruct, {record['rollouts']} rollouts × {record['answer']} tokens, "
-        f"{record['epochs']} epochs, {record['threads']} threads; {record['rounds']} round(s) "
-        f"of {record['warmup']} + {record['iterations']} iterations",
-        "| row | s/iteration (median) | min–max | gen tokens/s | peak MiB | time / TRL fp32 "
-        "| memory / TRL fp32 |",
-        "| --- | ---: | --- | ---: | ---: | ---: | ---: |",
-    ]
-    for side in [*ROWS, FULL]:
-        if side in res:
-            r = res[side]
-            t = f"{r['s_per_it'] / trl['s_per_it']:.3f}" if trl else "–"
-            m = f"{r['peak_mib'] / trl['peak_mib']:.3f}" if trl else "–"
-            lines.append(
-                f"| {row_label(side, record)} | {r['s_per_it']:.2f} | {r['spread'][0]:.2f}–"
-                f"{r['spread'][1]:.2f} | {r['gen_tps']:.0f} | {r['peak_mib']:.0f} | {t} | {m} |"
-            )
-        elif side in record["errors"]:
-            first = record["errors"][side].strip().splitlines()[-1][:160]
-            lines.append(f"| {row_label(side, record)} | failed: {first} | | | | | |")
-    if floor:
-        from time_floor import describe  # this folder's benchmark
-
-        lines.append(describe(floor, 2))
-    return "\n".join(lines)
-
-
-def ratio_lines(record: dict) -> list[str]:
-    """The closing lines: floor, equal settings, levers against TRL fp32 and bf16, KL."""
-    res, errors = record["rows"], record["errors"]
-
-    def missing(side: str) -> str:
-        return f"n/a ({side} failed)" if side in errors else f"n/a ({side} not run)"
-
-    def ratio(a: str, b: str, key: str) -> str:
-        for side in (a, b):
-            if side not in res:
-                return missing(side)
-        return f"{res[a][key] / res[b][key]:.3f}"
-
-    out = []
-    if record["floor_s"]:
-        trl = res.get("trl")
-        value = f"{record['floor_s']['total'] / trl['s_per_it']:.3f}" if trl else missing("trl")
-        out.append(f"floor / TRL {NAME}: {value}")
-        floor = record["floor_s"]
-        for side in ("rlhflab", "trl"):
-            if side in res:
-                r = res[side]["s_per_it"]
-                out.append(
-                    f"{side} / floor {NAME}: {r / floor['total']:.2f} (against the products "
-                    f"and attention alone, decode in cache: {r / floor['products_and_attention']:.2f})"
-                )
-    pairs = [
-        ("equal", "rlhflab", "trl"),
-        ("equal transformers runtime", "rlhflab-tf", "trl"),
-        ("TRL bf16 vs TRL fp32", "trl-bf16", "trl"),
-        ("levers", "levers", "trl"),
-        ("levers vs TRL bf16", "levers", "trl-bf16"),
-    ]
-    for name, a, b in pairs:
-        if a in record["asked"]:
-            out.append(f"time ratio {NAME} {name}: {ratio(a, b, 's_per_it')}")
-            out.append(f"memory ratio {NAME} {name}: {ratio(a, b, 'peak_mib')}")
-    lv = res.get("levers", {})
-    if "kl_to_full" in lv:
-        full = res.get(FULL, {})
-        out.append(
-            f"KL {NAME} levers to full precision: {lv['kl_to_full']:.2e} nats per answer token "
-            f"(max {lv['kl_to_full_max']:.2e}); the full-precision run moved "
-            f"{full.get('kl_from_base', float('nan')):.2e} from the base"
-        )
-    elif "levers" in res:
-        reason = errors.get(FULL, "the levers' precision is full: nothing to compare")
-        out.append(f"KL {NAME} levers to full precision: n/a ({reason.strip().splitlines()[-1]})")
-    return out
 
 
 if __name__ == "__main__":
