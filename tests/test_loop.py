@@ -96,6 +96,17 @@ def test_resume_starts_after_the_newest_checkpoint_and_appends_to_the_log(tmp_pa
     assert fresh.loaded == []
 
 
+def test_a_resume_of_a_finished_run_returns_its_last_logged_metrics(tmp_path):
+    # it returned {}: `rlhflab dpo --resume` of a finished run died on a KeyError in its
+    # closing line, and train() from Python gave an empty "last"
+    loop(tmp_path, total=3).run(CountingJob(tmp_path))
+    again = CountingJob(tmp_path)
+    done = loop(tmp_path, total=3).run(again, resume=True)
+    assert again.loaded == ["step-3"] and again.saved == [] and done.steps == 3
+    assert done.last == {"loss": 1 / 3}
+    assert [r["iteration"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+
+
 def test_only_the_main_rank_writes_files(tmp_path):
     job = CountingJob(tmp_path)
     loop(tmp_path / "out", total=1, is_main=False).run(job)

@@ -176,10 +176,12 @@ def cmd_dpo(args) -> int:
     cfg = load_config(args.config, args.overrides, stage="dpo")
     summary = train(cfg, resume=args.resume)
     last = summary["last"]
-    print(
-        f"done: {summary['steps']} steps; reward accuracy {last['rewards/accuracy']:.3f}, "
-        f"margin {last['rewards/margin']:.3f}; output in {cfg.log.output_dir}"
-    )
+    said = ""
+    if last.get("rewards/accuracy") is not None and last.get("rewards/margin") is not None:
+        said = (
+            f"reward accuracy {last['rewards/accuracy']:.3f}, margin {last['rewards/margin']:.3f}; "
+        )
+    print(f"done: {summary['steps']} steps; {said}output in {cfg.log.output_dir}")
     return 0
 
 

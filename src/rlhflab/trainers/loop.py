@@ -36,7 +36,7 @@ from rlhflab.config import PATH_FIELDS, ConfigError, LogConfig, absolute_paths
 from rlhflab.infra import checkpoint as C
 from rlhflab.infra import runinfo
 from rlhflab.infra.files import write_text_atomic
-from rlhflab.infra.runlog import RunLog
+from rlhflab.infra.runlog import RunLog, read_jsonl
 from rlhflab.trainers.common import progress
 from rlhflab.trainers.resume_checks import (
     config_changes,
@@ -147,7 +147,27 @@ class RunLoop:
         finally:
             runlog.close()
             self._end_info(info, job, reason, time.perf_counter() - start)
+        if resume_step is not None and job.iteration == resume_step:
+            # resumed where the run had already ended: no step ran in this call, and what
+            # it returns is the last step's logged metrics, not {} (a KeyError in the
+            # command's closing line, an empty summary from Python)
+            log.info(
+                "%s: already at step %d of %d; nothing left to run",
+                self.name,
+                resume_step,
+                self.total,
+            )
+            metrics = self._last_logged(resume_step)
         return RunResult(job.iteration, metrics, reason, time.perf_counter() - start)
+
+    def _last_logged(self, step: int) -> dict:
+        """The metrics.jsonl row of the latest step up to ``step`` (without its
+        ``iteration``), or {} where there is none (log.log_every skipped it, or rank > 0)."""
+        path = self.run_dir / "metrics.jsonl"
+        if not self.is_main or not path.is_file():
+            return {}
+        rows = [r for r in read_jsonl(path) if r.get("iteration", 0) <= step]
+        return {k: v for k, v in rows[-1].items() if k != "iteration"} if rows else {}
 
     def _start_info(self, job: Job, resume_step: int | None) -> dict:
         """run.json as the run starts (rank 0): a resume keeps its first start, wall time."""
