@@ -150,3 +150,77 @@ def test_the_settings_history_keeps_its_first_copy_and_a_fresh_start_clears_it(t
     (tmp_path / "tensorboard").mkdir()
     run(7, 1, False)  # a fresh start: no history of the run it replaced
     assert not kept.exists() and not (tmp_path / "tensorboard").exists()
+
+
+def test_a_second_run_in_a_folder_being_trained_in_is_refused_naming_the_first(tmp_path):
+    # two runs in one folder appended to one metrics.jsonl and interleaved checkpoints
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    from rlhflab.config import ConfigError
+
+    class Peek(CountingJob):  # a second run tries to start while the first one trains
+        def step(self):
+            with pytest.raises(
+                ConfigError,
+                match=rf"log.output_dir: another rlhflab run "
+                rf"\(process {os.getpid()}\) is training in {tmp_path}",
+            ):
+                loop(tmp_path).run(CountingJob(tmp_path))
+            return super().step()
+
+    assert loop(tmp_path, total=2).run(Peek(tmp_path)).steps == 2
+    assert [r["iteration"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2]
+    # released at the end, and by the kernel when a holder is killed: a resume goes on
+    held = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys, time; "
+         "fd = os.open(sys.argv[1], os.O_RDWR); fcntl.flock(fd, fcntl.LOCK_EX); "
+         "print('held', flush=True); time.sleep(60)", str(tmp_path / ".rlhflab.lock")],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert held.stdout.readline().strip() == "held"
+    with pytest.raises(ConfigError, match="another rlhflab run"):
+        loop(tmp_path, total=3).run(CountingJob(tmp_path), resume=True)
+    held.kill()
+    held.wait()
+    assert loop(tmp_path, total=3).run(CountingJob(tmp_path), resume=True).steps == 3
+    # a run refused before it wrote anything leaves no folder behind
+    ran = CountingJob(tmp_path / "new")
+    ran.iteration = 1  # a trainer that ran before, started afresh: refused first thing
+    with pytest.raises(ConfigError, match="has already run"):
+        loop(tmp_path / "new").run(ran)
+    assert not (tmp_path / "new").exists()
+
+
+def test_wall_time_survives_a_run_killed_after_a_checkpoint(tmp_path):
+    # run.json's wall_s was written only at a run's end: a kill -9 lost it, and the resume
+    # after it counted from 0, dropping the time of every run before
+    import json
+
+    from rlhflab.infra import runinfo
+
+    loop(tmp_path, total=2).run(CountingJob(tmp_path))
+    first = json.loads((tmp_path / "run.json").read_text())["wall_s"]
+
+    class Killed(CountingJob):
+        def step(self):
+            if self.iteration == 4:  # resumed at 2, checkpointed at 4, killed in step 5
+                raise SystemExit("killed")
+            return super().step()
+
+    real_end = RunLoop._end_info
+    RunLoop._end_info = lambda *a, **k: None  # kill -9 writes no end
+    try:
+        import pytest
+
+        with pytest.raises(SystemExit):
+            loop(tmp_path, total=6).run(Killed(tmp_path), resume=True)
+    finally:
+        RunLoop._end_info = real_end
+    noted = runinfo.read_run_info(tmp_path)
+    assert noted["steps"] == 4 and noted["finished"] is None and noted["wall_s"] >= first
+    loop(tmp_path, total=6).run(CountingJob(tmp_path), resume=True)
+    assert json.loads((tmp_path / "run.json").read_text())["wall_s"] >= noted["wall_s"]

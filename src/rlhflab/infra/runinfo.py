@@ -3,8 +3,8 @@ anyone comparing runs later: when it started and finished, its wall time, the ve
 rlhflab, torch and Python, the machine and its CPU (and GPU), and what the trainer adds
 (model sizes; a PPO run's gold-reward story, :mod:`rlhflab.diagnostics.gold_curve`).
 
-Written when the run starts (so a crashed run still says what it ran on) and again when it
-ends, each time whole and atomically (a temporary file renamed over the old one).
+Written when the run starts (so a crashed run still says what it ran on), at each checkpoint
+(the wall time so far) and when it ends, each time whole and atomically (a temporary file renamed over the old one).
 """
 
 from __future__ import annotations

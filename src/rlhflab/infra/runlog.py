@@ -150,6 +150,14 @@ def read_jsonl(path: Path) -> list[dict]:
     return [row for _, row in read_jsonl_lines(path)]
 
 
+def last_logged_metrics(run_dir: Path, step: int) -> dict:
+    """The metrics.jsonl row of a run's latest step up to ``step``, without its
+    ``iteration`` key; {} where there is none (the file missing, or log_every skipped)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    rows = [r for r in read_jsonl(path) if r.get("iteration", 0) <= step] if path.is_file() else []
+    return {k: v for k, v in rows[-1].items() if k != "iteration"} if rows else {}
+
+
 def read_json(path: Path):
     """A JSON file a run wrote (summary.json, compare.json, rm_checks.json), or None with a
     warning when it is missing its end or otherwise unreadable: the reader goes on without."""
@@ -158,3 +166,24 @@ def read_json(path: Path):
     except (OSError, ValueError) as exc:
         log.warning("%s: unreadable, cut short by a crash? (%s); left out", path, exc)
         return None
+
+
+# what an earlier run leaves in its folder: moved aside by a --resume that finds nothing to
+# continue (inputs/ stays: this run reads it)
+EARLIER_RUN_FILES = (
+    *("metrics.jsonl", "samples.jsonl", "alerts.jsonl", "run.json", "report.html"),
+    *("checkpoints", "tensorboard"),
+)
+
+
+def earlier_run_files(run_dir: Path, names) -> list[Path]:
+    """Those of ``names`` in ``run_dir`` that exist, and its config.until-step-N.yaml."""
+    found = [run_dir / n for n in names if (run_dir / n).exists()]
+    return found + sorted(run_dir.glob("config.until-step-*.yaml"))
+
+
+def holds_something(path: Path) -> bool:
+    """A file with content, or a folder with anything in it."""
+    if path.is_dir():
+        return any(path.iterdir())
+    return path.stat().st_size > 0

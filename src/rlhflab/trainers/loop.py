@@ -20,6 +20,7 @@ loop (each step and each save is collective); only rank 0 writes files.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -36,7 +37,14 @@ from rlhflab.config import PATH_FIELDS, ConfigError, LogConfig, absolute_paths
 from rlhflab.infra import checkpoint as C
 from rlhflab.infra import runinfo
 from rlhflab.infra.files import write_text_atomic
-from rlhflab.infra.runlog import RunLog, read_jsonl
+from rlhflab.infra.run_lock import run_lock
+from rlhflab.infra.runlog import (
+    EARLIER_RUN_FILES,
+    RunLog,
+    earlier_run_files,
+    holds_something,
+    last_logged_metrics,
+)
 from rlhflab.trainers.common import progress
 from rlhflab.trainers.resume_checks import (
     config_changes,
@@ -100,6 +108,11 @@ class RunLoop:
         self.config = absolute_paths(self.config)
 
     def run(self, job: Job, resume: bool = False) -> RunResult:
+        field = f"{_OUTPUT.get(self.name, 'log')}.output_dir"
+        with run_lock(self.run_dir, field) if self.is_main else contextlib.nullcontext():
+            return self._run(job, resume)
+
+    def _run(self, job: Job, resume: bool) -> RunResult:
         start = time.perf_counter()
         ran = job.iteration  # > 0: this job object trained before, in this process
         if ran and not resume:
@@ -141,6 +154,7 @@ class RunLoop:
                     self._log_samples(runlog, job.iteration)
                 if self._checkpoint_due(job, reason):
                     job.save(job.iteration)
+                    self._note_progress(info, job, time.perf_counter() - start)
                 if reason:
                     log.warning("stopped: %s", reason)
                     break
@@ -157,17 +171,8 @@ class RunLoop:
                 resume_step,
                 self.total,
             )
-            metrics = self._last_logged(resume_step)
+            metrics = last_logged_metrics(self.run_dir, resume_step) if self.is_main else {}
         return RunResult(job.iteration, metrics, reason, time.perf_counter() - start)
-
-    def _last_logged(self, step: int) -> dict:
-        """The metrics.jsonl row of the latest step up to ``step`` (without its
-        ``iteration``), or {} where there is none (log.log_every skipped it, or rank > 0)."""
-        path = self.run_dir / "metrics.jsonl"
-        if not self.is_main or not path.is_file():
-            return {}
-        rows = [r for r in read_jsonl(path) if r.get("iteration", 0) <= step]
-        return {k: v for k, v in rows[-1].items() if k != "iteration"} if rows else {}
 
     def _start_info(self, job: Job, resume_step: int | None) -> dict:
         """run.json as the run starts (rank 0): a resume keeps its first start, wall time."""
@@ -181,7 +186,10 @@ class RunLoop:
             "total": self.total,  # a report of a killed run still knows what it aimed at
             # what the run's relative defaults were made absolute against (config.PATH_FIELDS)
             "started_in": old.get("started_in") or os.getcwd(),
-            "wall_s_before": (old.get("wall_s") or 0.0) if resume_step is not None else 0.0,
+            # a run killed before its end wrote no end time: its last checkpoint's note
+            "wall_s_before": (old.get("wall_s") or old.get("wall_s_before") or 0.0)
+            if resume_step is not None
+            else 0.0,
             **({"resumed_at": resume_step} if resume_step is not None else {}),
             **runinfo.machine_facts(),
             **self._facts(),
@@ -191,6 +199,16 @@ class RunLoop:
             log.warning("--resume: %s changed since the steps so far read it", changed)
         runinfo.write_run_info(self.run_dir, info)
         return info
+
+    def _note_progress(self, info: dict, job: Job, seconds: float) -> None:
+        """run.json at a checkpoint: the wall time and steps so far, which a resume after a
+        ``kill -9`` adds its own to (the time after the last checkpoint is not counted)."""
+        if self.is_main:
+            with contextlib.suppress(OSError):  # a record; the checkpoint itself is written
+                wall = info["wall_s_before"] + seconds
+                runinfo.write_run_info(
+                    self.run_dir, {**info, "wall_s": wall, "steps": job.iteration}
+                )
 
     def _end_info(self, info: dict, job: Job, reason: str | None, seconds: float) -> None:
         if not self.is_main:
@@ -270,7 +288,7 @@ class RunLoop:
     def _clear_earlier_run(self) -> None:
         """``log.earlier_run=replace``: the earlier run goes whole — logs (RunLog), checkpoints
         and report (a newer step-N of it would be what --resume, export, generate pick)."""
-        stale = _earlier_run(self.run_dir, ("checkpoints", "report.html", "tensorboard"))
+        stale = earlier_run_files(self.run_dir, ("checkpoints", "report.html", "tensorboard"))
         if not stale:
             return
         self._refuse_reading_from_checkpoints("delete")
@@ -287,8 +305,8 @@ class RunLoop:
         --resume with no step-N checkpoint to continue (it starts afresh, as a job script
         that always passes --resume expects): the earlier run's logs, checkpoints and
         report move into ``earlier-<time>/`` (with a copy of its config.yaml), not deleted."""
-        found = _earlier_run(self.run_dir, EARLIER_RUN_FILES)
-        if not any(_holds_something(p) for p in found):
+        found = earlier_run_files(self.run_dir, EARLIER_RUN_FILES)
+        if not any(holds_something(p) for p in found):
             return
         self._refuse_reading_from_checkpoints("move")
         stamp = time.strftime("earlier-%Y%m%d-%H%M%S", time.gmtime())
@@ -367,24 +385,3 @@ def _hooks_stop(job: Job, metrics: dict) -> str | None:
         if hook(job.iteration, metrics):
             return f"a callback ({getattr(hook, '__name__', hook)}) asked to stop"
     return None
-
-
-# what an earlier run leaves in its folder: moved aside by a --resume that finds nothing to
-# continue (inputs/ stays: this run reads it)
-EARLIER_RUN_FILES = (
-    *("metrics.jsonl", "samples.jsonl", "alerts.jsonl", "run.json", "report.html"),
-    *("checkpoints", "tensorboard"),
-)
-
-
-def _earlier_run(run_dir: Path, names) -> list[Path]:
-    """Those of ``names`` in ``run_dir`` that exist, and its config.until-step-N.yaml."""
-    found = [run_dir / n for n in names if (run_dir / n).exists()]
-    return found + sorted(run_dir.glob("config.until-step-*.yaml"))
-
-
-def _holds_something(path: Path) -> bool:
-    """A file with content, or a folder with anything in it."""
-    if path.is_dir():
-        return any(path.iterdir())
-    return path.stat().st_size > 0

@@ -1,0 +1,63 @@
+"""One run at a time in a run directory.
+
+Two runs started in one output folder (a job submitted twice, a notebook cell run while
+the command still trains) would append to the same ``metrics.jsonl``, truncate it under
+each other on resume, and write checkpoints that interleave two trainings. The run loop
+holds an advisory lock on ``<run_dir>/.rlhflab.lock`` for as long as it runs; a second
+run there is refused with the process that holds it. The kernel drops the lock when its
+process ends however it ends (``kill -9`` included), so a killed run never leaves a stale
+lock behind and ``--resume`` works at once.
+
+``flock`` is POSIX (Linux, macOS); where it does not exist (Windows) runs are not locked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from rlhflab.config import ConfigError
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
+
+LOCK_NAME = ".rlhflab.lock"
+
+
+@contextlib.contextmanager
+def run_lock(run_dir: Path, field: str = "log.output_dir") -> Iterator[None]:
+    """Hold ``run_dir``'s lock for the body; ConfigError naming ``field`` (the setting that
+    chose the folder) when another process holds it. A folder this call made and that
+    holds nothing but the lock when the body ends (a run refused before it wrote anything)
+    is removed again."""
+    run_dir = Path(run_dir)
+    made = not run_dir.exists()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / LOCK_NAME
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    held = False
+    try:
+        if fcntl is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 32).decode("ascii", "replace").strip() or "unknown"
+                raise ConfigError(
+                    f"{field}: another rlhflab run (process {holder}) is training in "
+                    f"{run_dir}; wait for it to end, or give this run another folder"
+                ) from None
+        held = True
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+        if made and held:
+            with contextlib.suppress(OSError):
+                if [p.name for p in run_dir.iterdir()] == [LOCK_NAME]:
+                    path.unlink()
+                    run_dir.rmdir()
