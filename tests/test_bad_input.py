@@ -397,3 +397,37 @@ def test_overrides_on_both_sides_of_an_option_all_count(tmp_path, capsys):
         main(["memory", "--config", str(config), "--bogus"])
     assert stop.value.code == 2
     assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_on_bad_row_skip_drops_and_counts_bad_rows_of_every_stages_data(tmp_path, caplog):
+    # it covered data.prompts only: sft.data, rm.data and dpo.data stopped at the first bad
+    # row whatever data.on_bad_row said
+    import json
+
+    from rlhflab.experience.data import DataError, load_preferences
+    from rlhflab.trainers.sft import load_sft_pairs
+
+    sft = tmp_path / "sft.jsonl"
+    rows = [{"prompt": "a", "response": "b"}, {"prompt": "c", "response": 3}, {"prompt": "d"}]
+    sft.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DataError, match=r"sft.jsonl:2: field 'response' must be a non-empty"):
+        load_sft_pairs(sft)
+    with caplog.at_level("WARNING"):
+        assert load_sft_pairs(sft, on_bad_row="skip") == [("a", "b")]
+    assert "sft.jsonl: skipped 2 bad rows (first: " in caplog.text and "sft.jsonl:2:" in caplog.text
+    pairs = tmp_path / "pairs.jsonl"
+    rows = [
+        {"prompt": "p", "chosen": "x", "rejected": "x"},
+        {"prompt": "p", "chosen": "x", "rejected": "y"},
+    ]
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DataError, match="pairs.jsonl:1: 'chosen' and 'rejected' are the same"):
+        load_preferences(pairs)
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        (kept,) = load_preferences(pairs, on_bad_row="skip")
+    assert kept.rejected == "y" and "pairs.jsonl: skipped 1 bad row (first: " in caplog.text
+    # every row bad: still an error, not an empty run
+    pairs.write_text(json.dumps(rows[0]) + "\n")
+    with pytest.raises(DataError, match="no preference pairs"):
+        load_preferences(pairs, on_bad_row="skip")

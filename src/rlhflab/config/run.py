@@ -27,8 +27,9 @@ class DataConfig:
     )
     on_bad_row: str = setting(
         "error",
-        "A malformed, empty or too-long row: 'error' stops with file, line and field; "
-        "'skip' drops it and counts it in the log.",
+        "A malformed, empty or too-long row of any stage's data (data.prompts, sft.data, "
+        "rm.data, dpo.data): 'error' stops with file, line and field; 'skip' drops it and "
+        "says how many went and the first.",
         choices=("error", "skip"),
     )
     task: str = setting(

@@ -14,7 +14,7 @@ folders, ``datasets.Dataset``/``DatasetDict`` objects and lists of dicts. Chat m
 
 A malformed row, a missing field, an empty prompt or one longer than the prompt limit is a
 :class:`DataError` naming the source, the row and the field — or, for prompts with
-``on_bad_row='skip'``, dropped and counted.
+``data.on_bad_row='skip'``, dropped and counted (prompt, SFT and preference rows alike).
 """
 
 from __future__ import annotations
@@ -44,6 +44,26 @@ class LoadReport:
     reasons: list[str] = field(default_factory=list)
 
 
+class BadRows:
+    """``data.on_bad_row`` over one source: 'error' raises a bad row's DataError, 'skip'
+    counts it into ``report`` and :meth:`say` names how many went and the first."""
+
+    def __init__(self, on_bad_row: str, report: LoadReport | None = None):
+        self.on_bad_row, self.report = on_bad_row, report or LoadReport()
+
+    def bad(self, exc: DataError) -> None:
+        if self.on_bad_row == "error":
+            raise exc
+        self.report.skipped += 1
+        self.report.reasons.append(str(exc))
+
+    def say(self, name: str) -> None:
+        n = self.report.skipped
+        if n:
+            first = self.report.reasons[0]
+            log.warning("%s: skipped %d bad row%s (first: %s)", name, n, "s" * (n > 1), first)
+
+
 def load_prompts(
     source,
     tokenizer,
@@ -56,6 +76,7 @@ def load_prompts(
     """Read prompts; each must be non-empty and at most ``max_tokens`` tokens long.
     ``split``: the part of a DatasetDict to read (``data.split``)."""
     prompts, report = [], LoadReport()
+    skip = BadRows(on_bad_row, report)
     rows = open_rows(source, split)
     both = 0  # rows with both fields (many Hub prompt sets): the prompt field is read
     for n, row in rows:
@@ -70,20 +91,14 @@ def load_prompts(
             )
             report.rows += 1
         except DataError as exc:
-            if on_bad_row == "error":
-                raise
-            report.skipped += 1
-            report.reasons.append(str(exc))
+            skip.bad(exc)
     if both:
         log.warning(
             "%s: %d rows hold both '%s' and '%s'; '%s' is read (data.prompt_field / "
             "data.messages_field name the fields)",
             rows.name, both, prompt_field, messages_field, prompt_field,
         )  # fmt: skip
-    if report.skipped:
-        log.warning(
-            "%s: skipped %d bad rows (first: %s)", rows.name, report.skipped, report.reasons[0]
-        )
+    skip.say(rows.name)
     if not prompts:
         raise DataError(f"{rows.name}: no usable prompt rows")
     return prompts, report
@@ -190,24 +205,28 @@ def check_pairs_fit(tokenizer, limit: int | None, pairs: list, what: str) -> Non
 
 
 def load_preferences(
-    source, tokenizer=None, split="train", max_tokens: int | None = None
+    source, tokenizer=None, split="train", max_tokens: int | None = None, on_bad_row="error"
 ) -> list[PreferencePair]:
     """Preference pairs: ``prompt``, ``chosen`` and ``rejected`` as strings or chat messages
     (rendered with ``tokenizer``'s chat template), and optional ``labels``: attribute → 1
     if chosen is better, 0 if worse, 0.5 for a tie. ``split``: a DatasetDict's part.
     ``max_tokens``: the model's positions, which prompt + answer + EOS must fit
-    (:func:`check_fits`; None: unchecked)."""
-    pairs = []
+    (:func:`check_fits`; None: unchecked). ``on_bad_row``: as ``data.on_bad_row``."""
+    pairs, skip = [], BadRows(on_bad_row)
     rows = open_rows(source, split)
     for n, row in rows:
-        if isinstance(row, DataError):
-            raise row
-        pair = preference_pair(row, tokenizer, rows.where(n))
-        if pair.chosen == pair.rejected:  # its loss would be a constant: nothing learnt
-            raise DataError(f"{rows.where(n)}: 'chosen' and 'rejected' are the same answer")
-        answers = {"chosen": pair.chosen, "rejected": pair.rejected}
-        check_fits(tokenizer, max_tokens, rows.where(n), pair.prompt, answers)
-        pairs.append(pair)
+        try:
+            if isinstance(row, DataError):
+                raise row
+            pair = preference_pair(row, tokenizer, rows.where(n))
+            if pair.chosen == pair.rejected:  # its loss would be a constant: nothing learnt
+                raise DataError(f"{rows.where(n)}: 'chosen' and 'rejected' are the same answer")
+            answers = {"chosen": pair.chosen, "rejected": pair.rejected}
+            check_fits(tokenizer, max_tokens, rows.where(n), pair.prompt, answers)
+            pairs.append(pair)
+        except DataError as exc:
+            skip.bad(exc)
+    skip.say(rows.name)
     if not pairs:
         raise DataError(f"{rows.name}: no preference pairs")
     return pairs

@@ -77,7 +77,9 @@ class DPOTrainer:
         # the data is read before the model is loaded: a bad row is reported in seconds
         limit = M.position_limit(mc.policy, "model.policy")
         if d.data:
-            pairs = load_preferences(d.data, self.tokenizer, cfg.data.split, limit)
+            pairs = load_preferences(
+                d.data, self.tokenizer, cfg.data.split, limit, cfg.data.on_bad_row
+            )
         else:
             pairs = builtin_pairs(_with_pairs(cfg, d.pairs))
             check_pairs_fit(self.tokenizer, limit, pairs, "the built-in task's pair")

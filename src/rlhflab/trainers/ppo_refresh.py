@@ -115,7 +115,9 @@ class RewardRefresh:
             tokenizer = first.tokenizer  # renders chat rows
             # each pair must fit the reward model's positions, as `rlhflab rm` checks them
             limit = M.positions_of(plain_module(first.model).config)
-            pairs = load_preferences(cfg.rm.data, tokenizer, cfg.data.split, limit)
+            pairs = load_preferences(
+                cfg.rm.data, tokenizer, cfg.data.split, limit, cfg.data.on_bad_row
+            )
         else:
             pairs = builtin_pairs(cfg)
         _, train = split_pairs(pairs, cfg)

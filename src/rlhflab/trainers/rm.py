@@ -261,7 +261,7 @@ def check_reward_model(cfg: Config) -> dict:
     tokenizer = load_reward_tokenizer(cfg)  # renders chat rows
     data, split = cfg.rm.data, cfg.data.split
     limit = M.position_limit(cfg.reward.model, "reward.model")
-    pairs = load_preferences(data, tokenizer, split, limit) if data else None
+    pairs = load_preferences(data, tokenizer, split, limit, cfg.data.on_bad_row) if data else None
     # frozen: in model.reward_precision, as PPO will score with it; a causal LM is refused
     model, tokenizer = load_frozen_reward_model(cfg, device, tokenizer)
     heads = [model.config.id2label[i] for i in range(model.config.num_labels)]
@@ -328,7 +328,11 @@ def rm_trainer(cfg: Config) -> SupervisedTrainer:
     tokenizer = load_tokenizer_for(init, cfg.model, "rm.init")  # renders chat rows
     # the data is read before the model is loaded: a bad row is reported in seconds
     limit = M.position_limit(init, "rm.init")
-    pairs = load_preferences(r.data, tokenizer, cfg.data.split, limit) if r.data else None
+    pairs = (
+        load_preferences(r.data, tokenizer, cfg.data.split, limit, cfg.data.on_bad_row)
+        if r.data
+        else None
+    )
     # a causal LM (the SFT model) legitimately starts here with a fresh head; fp32 whatever
     # the folder's dtype: these are the trained weights
     model = load_model(

@@ -15,7 +15,7 @@ from rlhflab import models as M
 from rlhflab.builtin import tasks
 from rlhflab.config import Config
 from rlhflab.core import algorithms as A
-from rlhflab.experience.data import DataError, check_fits, open_rows, sft_pair
+from rlhflab.experience.data import BadRows, DataError, check_fits, open_rows, sft_pair
 from rlhflab.infra.distributed import resolve_device
 from rlhflab.models.build import finish_models, load_model, load_tokenizer_for, to_trained
 from rlhflab.trainers.supervised import SupervisedTrainer
@@ -33,20 +33,25 @@ def builtin_sft_pairs(
 
 
 def load_sft_pairs(
-    source, tokenizer=None, split="train", max_tokens: int | None = None
+    source, tokenizer=None, split="train", max_tokens: int | None = None, on_bad_row="error"
 ) -> list[tuple[str, str]]:
     """(prompt, response) pairs of a data file, dataset folder, Dataset or list of dicts:
     strings as they are, chat messages rendered with ``tokenizer``'s chat template
     (:func:`rlhflab.experience.data.sft_pair`). ``split``: a DatasetDict's part.
-    ``max_tokens``: the model's positions, which prompt + response + EOS must fit."""
+    ``max_tokens``: the model's positions, which prompt + response + EOS must fit.
+    ``on_bad_row``: as ``data.on_bad_row``."""
     rows = open_rows(source, split)
-    pairs = []
+    pairs, skip = [], BadRows(on_bad_row)
     for n, row in rows:
-        if isinstance(row, DataError):
-            raise row
-        prompt, response = sft_pair(row, tokenizer, rows.where(n))
-        check_fits(tokenizer, max_tokens, rows.where(n), prompt, {"response": response})
-        pairs.append((prompt, response))
+        try:
+            if isinstance(row, DataError):
+                raise row
+            prompt, response = sft_pair(row, tokenizer, rows.where(n))
+            check_fits(tokenizer, max_tokens, rows.where(n), prompt, {"response": response})
+            pairs.append((prompt, response))
+        except DataError as exc:
+            skip.bad(exc)
+    skip.say(rows.name)
     if not pairs:
         raise DataError(f"{rows.name}: no SFT rows")
     return pairs
@@ -89,7 +94,7 @@ def sft_trainer(cfg: Config) -> SupervisedTrainer:
     tokenizer = load_tokenizer_for(cfg.model.policy, cfg.model)  # renders chat rows
     limit = M.position_limit(cfg.model.policy, "model.policy")
     if s.data:
-        pairs = load_sft_pairs(s.data, tokenizer, cfg.data.split, limit)
+        pairs = load_sft_pairs(s.data, tokenizer, cfg.data.split, limit, cfg.data.on_bad_row)
     else:
         pairs = builtin_sft_pairs(s.examples, cfg.seed, tasks.skills_of(cfg.data.task))
         for i, (prompt, response) in enumerate(pairs):
