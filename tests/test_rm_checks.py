@@ -131,6 +131,29 @@ def test_a_model_made_elsewhere_gets_the_labels_it_can_have():
         head_targets(pairs, ["brevity", "helpful"], "x")  # training needs every head's labels
 
 
+def test_the_reward_row_of_a_model_without_a_preference_head_is_checked_on_pair_order():
+    # a one-head HF reward model (LABEL_0): its head had an accuracy, the reward row PPO
+    # optimises — the same score — read "-"
+
+    from rlhflab.experience.data import PreferencePair
+    from rlhflab.trainers.rm import head_targets, heldout_checks
+
+    class Words:
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": text.split()}
+
+    pairs = [PreferencePair("p", "a b c", "d", {}) for _ in range(3)]
+    pairs.append(PreferencePair("p", "e", "f g", {}))
+    chosen = torch.tensor([[2.0], [1.0], [0.5], [-1.0]])
+    rejected = torch.tensor([[0.0], [0.0], [0.0], [0.0]])
+    targets = head_targets(pairs, ["LABEL_0"], "x", strict=False)
+    out = heldout_checks(chosen, rejected, targets, ["LABEL_0"], Words(), pairs, {})
+    assert out["LABEL_0"]["accuracy"] == out["reward"]["accuracy"] == 0.75
+    assert (
+        out["reward"]["longer_preferred_by_labels"] == out["LABEL_0"]["longer_preferred_by_labels"]
+    )
+
+
 def test_labels_that_match_no_head_are_said(caplog):
     # a misspelled label ('brevty') trained nothing, without a word
     from rlhflab.experience.data import PreferencePair

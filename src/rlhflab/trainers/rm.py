@@ -178,7 +178,8 @@ def heldout_checks(
 ) -> dict[str, dict[str, float]]:
     """rm_checks.reward_checks per head, and for ``reward`` — the heads' weighted sum with
     ``reward_heads`` (reward.heads: what PPO will optimise; every head at 1 when empty),
-    checked against the ``preference`` labels where that head exists. With ``gold``
+    checked against the ``preference`` labels where that head exists, else against the
+    pairs' order (chosen ≻ rejected). With ``gold``
     (monitor.gold, 'module:function'), also ``reward_vs_gold``: the same sum checked
     against which answer of each pair the gold reward scores higher."""
     answer_len = [
@@ -192,7 +193,11 @@ def heldout_checks(
         for k, h in enumerate(heads)
     }
     weights = torch.tensor(list(default_head_weights(heads, reward_heads).values()))
-    label = targets[:, heads.index("preference")] if "preference" in heads else None
+    # a preference file's pair order is its claim that chosen is better: the sum PPO
+    # optimises is checked against it when no head carries it (a one-head LABEL_0 model's
+    # reward row read "-")
+    order = torch.ones(len(pairs))
+    label = targets[:, heads.index("preference")] if "preference" in heads else order
     out["reward"] = reward_checks(chosen @ weights, rejected @ weights, label, *answer_len)
     if gold:
         fn, prompts = FunctionReward(gold), [p.prompt for p in pairs]
