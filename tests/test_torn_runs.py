@@ -113,12 +113,16 @@ def test_resume_skips_a_corrupt_newest_checkpoint(tmp_path, caplog):
     (lost / "optimizer.pt").unlink()
     assert C.checkpoint_fault(ckpts[0]) is None
     assert C.checkpoint_fault(lost) == "optimizer.pt is missing"
+    (lost / "manifest.json").unlink()  # the list gone too: it passed, and resumed to a KeyError
+    assert C.checkpoint_fault(lost) == "no optimizer.pt (and no manifest.json to say what it held)"
+    torch.save({**C.read_state(ckpts[0]), "optim": {}}, lost / "state.pt")  # before 2026-12-05
+    assert C.checkpoint_fault(lost) is None
     newest = ckpts[-1] / "optimizer.pt"
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # cut mid-write
     resumed = PPOTrainer(make_cfg(tmp_path, "ppo.epochs=1", "ppo.minibatches=1"))
     with caplog.at_level(logging.WARNING):
         resumed.fit(resume=True)
-    assert "step-4" in caplog.text and "resuming from" in caplog.text
+    assert "step-4" in caplog.text and "the newest whole checkpoint is" in caplog.text
     # it went on from step 2 and, resume being exact, ended where the first run did
     for a, b in zip(
         first.cast.policy.state_dict().values(), resumed.cast.policy.state_dict().values()
@@ -358,3 +362,38 @@ def test_resume_refuses_a_run_another_command_wrote(tmp_path):
     with pytest.raises(ConfigError, match=r"holds a PPO run, not a GRPO run.*rlhflab ppo --resume"):
         PPOTrainer(cfg).fit(resume=True)
     assert [p.name for p in C.list_checkpoints(tmp_path / "run")] == ["step-1"]
+
+
+def test_a_checkpoint_write_that_fails_names_the_folder_and_leaves_no_half_folder(
+    tmp_path, monkeypatch
+):
+    # a full disk: torch's writer named no file, safetensors' error was a bare traceback,
+    # and the half-written step-N.tmp stayed, keeping the disk full
+    from rlhflab.app.user_errors import storage_error
+    from rlhflab.infra.files import WriteFailed
+
+    trainer = PPOTrainer(make_cfg(tmp_path, "ppo.iterations=1", "ppo.epochs=1"))
+    trainer.fit()
+    stale = tmp_path / "run" / "checkpoints" / "step-9.tmp"  # a kill -9 mid-write left it
+    stale.mkdir()
+
+    def full(*args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1 vs 2")
+
+    monkeypatch.setattr(C.torch, "save", full)
+    with pytest.raises(WriteFailed) as err:
+        trainer.save(5)
+    said = storage_error(err.value)
+    assert said.startswith(f"{tmp_path / 'run' / 'checkpoints' / 'step-5'}: writing its ")
+    assert "(is the disk full?)" in said
+    assert not (tmp_path / "run" / "checkpoints" / "step-5.tmp").exists()
+    monkeypatch.undo()
+    assert C.latest_checkpoint(tmp_path / "run", set_aside=True).name == "step-1"
+    assert not stale.exists()  # the writer of the run's files clears what a kill left
+
+    class SafetensorError(Exception):  # safetensors' own, raised from Rust
+        pass
+
+    err = "Error while serializing: I/O error: No space left on device (os error 28)"
+    assert storage_error(SafetensorError(err)).startswith("writing a file failed (is the disk")
+    assert storage_error(RuntimeError("a bug")) is None

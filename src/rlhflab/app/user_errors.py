@@ -44,15 +44,18 @@ def storage_error(exc: BaseException) -> str | None:
     permission), or None for any other error: the OS's own words name the file."""
     import errno
 
+    from rlhflab.infra.files import WRITER_WORDS, WriteFailed
+
+    if isinstance(exc, WriteFailed):  # names the folder itself
+        return str(exc)
     if isinstance(exc, OSError) and exc.errno in (
         errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM,
     ):  # fmt: skip
         where = exc.filename or "writing a file failed"
         hint = "; free some space and run it again" if exc.errno == errno.ENOSPC else ""
         return f"{where}: {exc.strerror}{hint}"
-    # torch's checkpoint writer says a full disk its own way
-    if isinstance(exc, RuntimeError) and any(
-        w in str(exc) for w in ("PytorchStreamWriter", "inline_container")
-    ):
-        return f"writing a checkpoint failed (is the disk full?): {str(exc).splitlines()[0]}"
+    # torch's and safetensors' writers say a full disk their own way, without the file
+    # (writers that rlhflab.infra.files.writing wraps name it)
+    if any(w in str(exc) for w in WRITER_WORDS):
+        return f"writing a file failed (is the disk full?): {str(exc).splitlines()[0]}"
     return None

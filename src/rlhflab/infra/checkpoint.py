@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rlhflab.backends.native_models import iter_safetensors
-from rlhflab.infra.files import share_like_umask
+from rlhflab.infra.files import share_like_umask, writing
 from rlhflab.models import PolicyWithValueHead
 from rlhflab.models.prepare import restore_dropout
 
@@ -75,6 +75,24 @@ def save_checkpoint(
     final = root / (name or f"step-{step}")
     tmp = root / f"{final.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        with writing(final, "checkpoint"):
+            _write_checkpoint(tmp, cast, state, policy_state, critic_state, extra_models)
+    except BaseException:
+        # a half-written folder of a full disk would keep it full: the run's last whole
+        # checkpoint is what a resume needs
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+    for old in list_checkpoints(run_dir)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _write_checkpoint(tmp, cast, state, policy_state, critic_state, extra_models) -> None:
+    """The files of :func:`save_checkpoint`, into the folder ``tmp``."""
     tmp.mkdir()
     shared = isinstance(cast.policy, PolicyWithValueHead)
     lm_state = (
@@ -104,12 +122,6 @@ def save_checkpoint(
     files = sorted(str(f.relative_to(tmp)) for f in tmp.rglob("*") if f.is_file())
     (tmp / MANIFEST).write_text(json.dumps(files))
     share_like_umask(tmp)
-    if final.exists():
-        shutil.rmtree(final)
-    tmp.rename(final)
-    for old in list_checkpoints(run_dir)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
@@ -149,6 +161,10 @@ def checkpoint_fault(path: Path) -> str | None:
             return f"{missing[0]} is missing" + (
                 f" (and {len(missing) - 1} more)" * (len(missing) > 1)
             )
+    elif not (path / "optimizer.pt").is_file() and not _optimizers_in_state(path):
+        # no list of its files: before 2026-12-05 state.pt held the optimisers, since then
+        # optimizer.pt has; a checkpoint with neither lost one
+        return f"no optimizer.pt (and no {MANIFEST} to say what it held)"
     for f in sorted(path.rglob("*")):
         try:
             if f.suffix == ".pt":
@@ -163,6 +179,16 @@ def checkpoint_fault(path: Path) -> str | None:
         except Exception as exc:  # noqa: BLE001 - any failure to read means: not this one
             return f"{f.relative_to(path)} is unreadable ({type(exc).__name__})"
     return None
+
+
+def _optimizers_in_state(path: Path) -> bool:
+    """Whether state.pt holds optimiser states (a checkpoint of before 2026-12-05); mapped,
+    not read: its tensors stay on disk."""
+    try:
+        state = torch.load(path / "state.pt", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 - unreadable: the zip check below names it
+        return True
+    return isinstance(state, dict) and any(k in state for k in OPTIMIZER_KEYS)
 
 
 def _safetensors_whole(f: Path) -> bool:
@@ -182,12 +208,15 @@ def latest_checkpoint(run_dir: Path, set_aside: bool = False) -> Path | None:
     checkpoints the resumed run writes before it. Raises CheckpointError when there are
     checkpoints but none is whole: starting afresh would discard the run."""
     ckpts = list_checkpoints(run_dir)
+    if set_aside:  # a write cut short (kill -9, a full disk) left its folder: free the space
+        for stale in (Path(run_dir) / "checkpoints").glob("*.tmp"):
+            shutil.rmtree(stale, ignore_errors=True)
     faults = []
     for path in reversed(ckpts):
         fault = checkpoint_fault(path)
         if fault is None:
             if faults:
-                log.warning("resuming from %s", path)
+                log.warning("the newest whole checkpoint is %s", path)
             return path
         faults.append(f"{path.name}: {fault}")
         log.warning("checkpoint %s is damaged (%s); trying the one before", path, fault)

@@ -42,6 +42,34 @@ def write_lines_atomic(path: str | Path, lines: Iterable[str]) -> Path:
     return path
 
 
+class WriteFailed(OSError):
+    """Files rlhflab writes could not be written (a full disk, most often); the message
+    names where. Raised by :func:`writing` in place of the writer's own error, which for
+    torch's and safetensors' writers names no file."""
+
+
+# how torch.save (PytorchStreamWriter / inline_container) and safetensors ("Error while
+# serializing: I/O error") report a failed write: RuntimeError and SafetensorError, no errno
+WRITER_WORDS = ("PytorchStreamWriter", "inline_container", "Error while serializing")
+
+
+@contextlib.contextmanager
+def writing(where: str | Path, what: str = "files"):
+    """Turn a failed write inside the body into :class:`WriteFailed` naming ``where`` (the
+    folder or file being written); any other exception passes as it is."""
+    try:
+        yield
+    except WriteFailed:
+        raise
+    except Exception as exc:
+        if not isinstance(exc, OSError) and not any(w in str(exc) for w in WRITER_WORDS):
+            raise
+        reason = getattr(exc, "strerror", None) or str(exc).splitlines()[0]
+        full = "No space left" in str(exc) or "unexpected pos" in str(exc)
+        hint = " (is the disk full?)" if full or not isinstance(exc, OSError) else ""
+        raise WriteFailed(f"{where}: writing its {what} failed{hint}: {reason}") from exc
+
+
 def current_umask() -> int:
     """The process's umask, read from /proc (Linux) where it can be; elsewhere by setting
     it and setting it back, which is not safe against another thread creating a file in

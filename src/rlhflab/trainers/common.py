@@ -19,7 +19,7 @@ from rlhflab.builtin import tasks
 from rlhflab.config import Config
 from rlhflab.experience.data import PromptStream, load_prompts
 from rlhflab.infra import checkpoint as C
-from rlhflab.infra.files import share_like_umask
+from rlhflab.infra.files import share_like_umask, writing
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +68,9 @@ def keep_last_good(model, tokenizer, out: Path) -> Callable[[], str]:
         final = Path(out) / LAST_GOOD
         tmp = final.with_name(LAST_GOOD + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
+        with writing(final, "model"):
+            model.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
         share_like_umask(tmp)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)

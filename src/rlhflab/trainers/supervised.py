@@ -24,7 +24,7 @@ from rlhflab.backends.loss_scale import LossScaler
 from rlhflab.config import Config, ConfigError
 from rlhflab.config.base import to_dict
 from rlhflab.infra import checkpoint as C
-from rlhflab.infra.files import share_like_umask
+from rlhflab.infra.files import share_like_umask, writing
 from rlhflab.models.prepare import restore_dropout
 from rlhflab.trainers.common import (
     Halt,
@@ -170,9 +170,10 @@ class SupervisedTrainer:
         start = time.perf_counter()
         done = loop.run(self, resume)
         self.out.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(self.out, safe_serialization=True)
-        restore_dropout(self.out, self.model)  # the source's, not the zeros trained with
-        self.tokenizer.save_pretrained(self.out)
+        with writing(self.out, "model"):
+            self.model.save_pretrained(self.out, safe_serialization=True)
+            restore_dropout(self.out, self.model)  # the source's, not the zeros trained with
+            self.tokenizer.save_pretrained(self.out)
         share_like_umask(self.out)  # safetensors writes owner-only files
         done.seconds = time.perf_counter() - start
         return done
