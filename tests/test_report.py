@@ -397,3 +397,30 @@ def test_a_missing_or_broken_config_is_said_not_shown_as_all_defaults(tmp_path, 
         assert said in config and "settings are unknown" in config
         assert "Every setting is at its default" not in page
         assert said in caplog.text
+
+
+def test_a_null_value_is_a_gap_and_long_tick_labels_get_room():
+    # a skipped update's null loss was joined over; ticks near 1 read 1.002e0 under the
+    # axis title
+    from rlhflab.app.report_sections import series_of
+
+    rows = [{"iteration": i, "loss": 1.0 + i / 1000} for i in range(1, 10)]
+    rows[4]["loss"] = None  # iteration 5: null
+    del rows[7]["loss"]  # iteration 8: not logged there (every N-th)
+    chart = Chart("t", [series_of(rows, "loss")], "u").html()
+    lines = re.findall(r'<polyline[^>]*points="([^"]*)"', chart)
+    assert [len(p.split()) for p in lines] == [4, 3]  # 1-4 | 6, 7, 9
+    rows[7]["faults/skipped_updates"] = 1  # a skipped update logs no loss: a gap too
+    lines = re.findall(r'<polyline[^>]*points="([^"]*)"', series_of_chart(rows))
+    assert [len(p.split()) for p in lines] == [4, 2, 1]
+    labels = re.findall(r'class="tk">([^<]*)</text>', chart)
+    assert "1.0050" in labels and not any("e" in t for t in labels)
+    left = float(re.search(r'<rect x="(\d+)"', chart).group(1))
+    assert left >= 23 + 6.3 * max(len(t) for t in labels)
+    assert tick_label(0.004, 0.002, 0.008) == "4e-3" and tick_label(0.998, 0.002, 1.0) == "0.998"
+
+
+def series_of_chart(rows):
+    from rlhflab.app.report_sections import series_of
+
+    return Chart("t", [series_of(rows, "loss")], "u").html()

@@ -69,15 +69,17 @@ def _decimals(step: float) -> int:
     return decimals + (1 if round(step * 10**decimals, 6) % 1 else 0)  # 2.5 needs one more
 
 
-def tick_label(v: float, step: float) -> str:
-    """``v`` short enough for the axis (at most about 6 characters) and no more precise
-    than the tick step: 0.3 not 0.30000000000000004, 5e-4 not 0.0005, 12k not 12000."""
+def tick_label(v: float, step: float, largest: float | None = None) -> str:
+    """``v`` short (about 6 characters) and no more precise than the tick step: 0.3 not
+    0.30000000000000004, 5e-4 not 0.0005, 12k not 12000. ``largest``: the largest |tick|
+    of the axis (default |v|): exponents only on an axis whose ticks are all under 0.01,
+    so ticks near 1 read 0.998, 1.000, 1.002 rather than 9.98e-1, 1e0, 1.002e0."""
     if v == 0:
         return "0"
     if abs(v) >= 1e4:
         scale, suffix = (1e6, "M") if abs(v) >= 1e6 else (1e3, "k")
         return f"{v / scale:.{_decimals(step / scale) if step < scale else 0}f}{suffix}"
-    if step < 0.01:
+    if step < 0.01 and (abs(v) if largest is None else largest) < 0.01:
         digits = max(0, math.floor(math.log10(abs(v)) + 1e-9) - math.floor(math.log10(step)))
         mantissa, exponent = f"{v:.{digits + 1}e}".split("e")
         return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
@@ -121,6 +123,18 @@ def _finite(points) -> list[tuple[float, float]]:
     ]
 
 
+def _segments(points) -> list[list[tuple[float, float]]]:
+    """The finite runs of ``points``: a None or non-finite y (a skipped update's loss, say)
+    ends one, so that the line has a gap there instead of joining its neighbours."""
+    runs: list[list[tuple[float, float]]] = [[]]
+    for x, y in points:
+        if isinstance(y, (int, float)) and math.isfinite(y) and math.isfinite(x):
+            runs[-1].append((float(x), float(y)))
+        elif runs[-1]:
+            runs.append([])
+    return [r for r in runs if r]
+
+
 def _swatch(color: str, dashed: bool = False, dots: bool = False, band: bool = False) -> str:
     if band:
         shape = f'<rect x="8" y="0" width="6" height="10" fill="{color}" fill-opacity="0.3"/>'
@@ -150,26 +164,29 @@ def render(c: Chart) -> str:
     lo, hi = axis_range(ys, c.include_zero)
     yticks = nice_ticks(lo, hi)
     y0, y1 = yticks[0], yticks[-1]
-    pw, ph = W - LEFT - RIGHT, H - TOP - BOTTOM
+    ystep, largest = yticks[1] - yticks[0], max(abs(t) for t in yticks)
+    ylabels = [tick_label(t, ystep, largest) for t in yticks]
+    # room for the longest tick label (11 px digits, ~6.3 px each) right of the rotated
+    # axis title, which ends ~18 px from the edge: long labels ran under the title
+    left = max(LEFT, math.ceil(23 + 6.3 * max(len(t) for t in ylabels)))
+    pw, ph = W - left - RIGHT, H - TOP - BOTTOM
 
     def sx(x: float) -> float:
-        return LEFT + (x - x0) / (x1 - x0) * pw
+        return left + (x - x0) / (x1 - x0) * pw
 
     def sy(y: float) -> float:
         return TOP + ph - (y - y0) / (y1 - y0) * ph
 
-    ystep = yticks[1] - yticks[0]
     xstep = xticks[1] - xticks[0] if len(xticks) > 1 else 1.0
     out = [
         f'<svg class="pl" viewBox="0 0 {W} {H}" role="img" aria-label="{html.escape(c.title)}">',
-        f'<rect x="{LEFT}" y="{TOP}" width="{pw}" height="{ph}" class="pa"/>',
+        f'<rect x="{left}" y="{TOP}" width="{pw}" height="{ph}" class="pa"/>',
     ]
-    for t in yticks:
+    for t, label in zip(yticks, ylabels):
         y = sy(t)
-        out.append(f'<line x1="{LEFT}" y1="{y:.1f}" x2="{W - RIGHT}" y2="{y:.1f}" class="gr"/>')
+        out.append(f'<line x1="{left}" y1="{y:.1f}" x2="{W - RIGHT}" y2="{y:.1f}" class="gr"/>')
         out.append(
-            f'<text x="{LEFT - 5}" y="{y + 3.5:.1f}" text-anchor="end" class="tk">'
-            f"{tick_label(t, ystep)}</text>"
+            f'<text x="{left - 5}" y="{y + 3.5:.1f}" text-anchor="end" class="tk">{label}</text>'
         )
     for t in xticks:
         x = sx(t)
@@ -179,7 +196,7 @@ def render(c: Chart) -> str:
             f"{tick_label(t, xstep)}</text>"
         )
     out.append(
-        f'<text x="{LEFT + pw / 2}" y="{H - 6}" text-anchor="middle" class="at">'
+        f'<text x="{left + pw / 2}" y="{H - 6}" text-anchor="middle" class="at">'
         f"{html.escape(c.x_title)}</text>"
         f'<text transform="translate(12 {TOP + ph / 2}) rotate(-90)" text-anchor="middle" '
         f'class="at">{html.escape(c.y_title)}</text>'
@@ -198,7 +215,7 @@ def render(c: Chart) -> str:
     if c.threshold is not None:
         value, side = c.threshold
         out.append(
-            f'<line x1="{LEFT}" y1="{sy(value):.1f}" x2="{W - RIGHT}" y2="{sy(value):.1f}" '
+            f'<line x1="{left}" y1="{sy(value):.1f}" x2="{W - RIGHT}" y2="{sy(value):.1f}" '
             f'stroke="{ALERT}" stroke-width="1.2" stroke-dasharray="6 4"/>'
         )
         marks.append((_swatch(ALERT, dashed=True), f"threshold {value:g} (alert {side})", ""))
@@ -210,7 +227,7 @@ def render(c: Chart) -> str:
         marks.append((_swatch("#444", dashed=True), html.escape(label), ""))
     for i, (s, pts) in enumerate(lines):
         color = s.color or PALETTE[i % len(PALETTE)]
-        out.extend(_draw(s, pts, color, i, sx, sy, c.smooth))
+        out.extend(_draw(s, pts, _segments(s.points), color, i, sx, sy, c.smooth))
         note = f" <small>{html.escape(s.note)}</small>" if s.note else ""
         legend.append(
             (_swatch(color, s.dashed, s.dots), html.escape(s.name) + note, f' data-s="{i}"')
@@ -229,8 +246,9 @@ def render(c: Chart) -> str:
     )
 
 
-def _draw(s: Series, pts, color: str, i: int, sx, sy, smooth: float | None) -> list[str]:
-    """One series' marks: dots, or a line (faint under its EMA when ``smooth``)."""
+def _draw(s: Series, pts, runs, color: str, i: int, sx, sy, smooth: float | None) -> list[str]:
+    """One series' marks: dots at its finite points ``pts``, or a line through each of its
+    finite ``runs`` (:func:`_segments`), faint under its EMA when ``smooth``."""
     if s.dots:
         return [
             f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.6" fill="{color}" '
@@ -240,20 +258,24 @@ def _draw(s: Series, pts, color: str, i: int, sx, sy, smooth: float | None) -> l
     dash = ' stroke-dasharray="5 3"' if s.dashed else ""
     out = []
     if smooth:
-        raw = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in pts)
+        for run in runs:
+            raw = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in run)
+            out.append(
+                f'<polyline fill="none" stroke="{color}" stroke-width="1" '
+                f'stroke-opacity="0.3" points="{raw}"/>'
+            )
+        # the average runs on over a gap (it is of the values there are), drawn in pieces
+        smoothed = iter(ema([y for _, y in pts], smooth))
+        runs = [[(x, next(smoothed)) for x, _ in run] for run in runs]
+    for run in runs:
+        path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in run)
         out.append(
-            f'<polyline fill="none" stroke="{color}" stroke-width="1" stroke-opacity="0.3" '
-            f'points="{raw}"/>'
+            f'<polyline fill="none" stroke="{color}" stroke-width="2"{dash} points="{path}" '
+            f'data-s="{i}"/>'
         )
-        pts = list(zip([x for x, _ in pts], ema([y for _, y in pts], smooth)))
-    path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in pts)
-    out.append(
-        f'<polyline fill="none" stroke="{color}" stroke-width="2"{dash} points="{path}" '
-        f'data-s="{i}"/>'
-    )
-    if len(pts) == 1:  # a line through one point draws nothing: a one-iteration run
-        ((x, y),) = pts
-        out.append(
-            f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="3.5" fill="{color}" data-s="{i}"/>'
-        )
+        if len(run) == 1:  # a line through one point draws nothing (a one-iteration run)
+            ((x, y),) = run
+            out.append(
+                f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="3.5" fill="{color}" data-s="{i}"/>'
+            )
     return out

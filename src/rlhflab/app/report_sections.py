@@ -284,8 +284,14 @@ def other_charts(rows: list[dict], groups: list[tuple[str, list[Chart]]]) -> lis
 
 
 def series_of(rows: list[dict], key: str, name: str | None = None, **kw) -> Series:
-    """The logged metric ``key`` over the rows' iterations (missing values are gaps)."""
-    return Series(name or key, [(r["iteration"], r.get(key)) for r in rows], source=key, **kw)
+    """The logged metric ``key`` over the rows' iterations: a value logged as null (not
+    finite) and an iteration whose update was skipped (``faults/skipped_updates``: its
+    update metrics are not logged) are gaps in the line; any other iteration that does not
+    log the key (a signal computed every N-th) is passed over, the line joining across."""
+    points = [
+        (r["iteration"], r.get(key)) for r in rows if key in r or r.get("faults/skipped_updates")
+    ]
+    return Series(name or key, points, source=key, **kw)
 
 
 def overoptimisation(rows: list[dict], story: dict) -> str:
