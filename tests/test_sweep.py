@@ -146,6 +146,19 @@ def test_a_trial_the_trainer_refuses_is_one_line_and_replaced(tmp_path, capsys, 
 
     noise = logging.LogRecord("optuna", 30, "", 0, "Trial 1 failed with value nan.", None, None)
     assert not _FailedTrialNoise().filter(noise)
+    # Ctrl-C: Optuna logged the trial's whole traceback above the command's one line
+    try:
+        raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        import sys
+
+        stopped = logging.LogRecord(
+            "optuna", 30, "", 0, "Trial 3 failed with parameters: {} because of the "
+            "following error: KeyboardInterrupt().", None, sys.exc_info()
+        )  # fmt: skip
+    assert not _FailedTrialNoise().filter(stopped)
+    kept = logging.LogRecord("optuna", 30, "", 0, "Trial 2 finished with value: 0.5", None, None)
+    assert _FailedTrialNoise().filter(kept)
     assert any(
         isinstance(f, _FailedTrialNoise)
         for h in optuna.logging.get_logger("optuna").handlers

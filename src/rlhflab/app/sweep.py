@@ -177,10 +177,16 @@ def run_trial(trial, base: dict, space: dict, sweep_dir: Path, stage: str) -> fl
 
 class _FailedTrialNoise(logging.Filter):
     """Optuna's two lines for a trial :func:`_trial` marked failed (NaN: "the value nan is
-    not acceptable"), which read as a numeric failure where the trial's own line said why."""
+    not acceptable"), which read as a numeric failure where the trial's own line said why;
+    and its ~40-line traceback of a trial stopped by Ctrl-C, which the command says in one
+    line (``interrupted: ...``), as every command does."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         said = record.getMessage()
+        if record.exc_info and isinstance(record.exc_info[1], KeyboardInterrupt):
+            return False
+        if "KeyboardInterrupt" in said and "failed" in said:
+            return False
         return not ("failed with value nan" in said or "value nan is not acceptable" in said)
 
 
