@@ -332,9 +332,19 @@ def test_resume_with_nothing_to_continue_sets_the_earlier_run_aside(tmp_path, ca
     assert (aside / "config.yaml").read_text() == "seed: 7\n"
     assert [r["iteration"] for r in read_jsonl(run / "metrics.jsonl")] == [1]
     assert [p.name for p in C.list_checkpoints(run)] == ["step-1"]
-    # a folder with nothing of a run in it: nothing set aside
-    PPOTrainer(make_cfg(tmp_path / "empty", *fast)).fit(resume=True)
+    # a folder with nothing of a run in it: nothing set aside, and one line that says so
+    # (it said it twice in other words); nor for a start that logged nothing but its
+    # run.json (killed while loading its models)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="rlhflab.trainers.loop"):
+        PPOTrainer(make_cfg(tmp_path / "empty", *fast)).fit(resume=True)
+    assert caplog.text.count("starting fresh") + caplog.text.count("starting afresh") == 1
     assert not list((tmp_path / "empty" / "run").glob("earlier-*"))
+    killed = tmp_path / "killed" / "run"
+    killed.mkdir(parents=True)
+    (killed / "run.json").write_text('{"trainer": "PPO", "finished": null}')
+    PPOTrainer(make_cfg(tmp_path / "killed", *fast)).fit()
+    assert not list(killed.glob("earlier-*")) and (killed / "metrics.jsonl").is_file()
     # a second set-aside within the same second gets a folder of its own
     shutil.rmtree(run / "checkpoints" / "step-1")
     PPOTrainer(make_cfg(tmp_path, *fast)).fit(resume=True)

@@ -310,10 +310,13 @@ def build_report(run_dir: str | Path) -> Path:
     when = (info or {}).get("started", "")[:16].replace("T", " ")
     head = (
         f"<h1>{html.escape(name)}</h1><p class='m'>{html.escape(trainer or 'run')} · "
-        f"{len(rows)} iterations{' · started ' + html.escape(when) if when else ''} · "
+        f"{len(rows)} iteration{'s' * (len(rows) != 1)}{' · started ' + html.escape(when) if when else ''} · "
         f"<code>{html.escape(str(run))}</code></p><nav><ul class='toc'>{toc}</ul></nav>"
     )
-    title = f"{name}: {trainer or 'run'} report, {len(rows)} iterations, {len(alerts)} alerts"
+    its = f"{len(rows)} iteration{'s' * (len(rows) != 1)}"
+    title = (
+        f"{name}: {trainer or 'run'} report, {its}, {len(alerts)} alert{'s' * (len(alerts) != 1)}"
+    )
     page = _PAGE.replace("{{TITLE}}", html.escape(title))
     out = run / "report.html"
     if out.is_dir():  # found when writing, after the whole report was built

@@ -251,8 +251,7 @@ class RunLoop:
                 f"it with `rlhflab {other.lower()} --resume`, or give this run another folder"
             )
         last = self.latest(self.run_dir, self.is_main)
-        if last is None:
-            log.info("--resume: no checkpoint in %s; starting fresh", self.run_dir)
+        if last is None:  # _set_earlier_run_aside says so
             return None
         refuse_other_models(self.run_dir, self.config)
         job.load_checkpoint(last)
@@ -306,7 +305,10 @@ class RunLoop:
         that always passes --resume expects): the earlier run's logs, checkpoints and
         report move into ``earlier-<time>/`` (with a copy of its config.yaml), not deleted."""
         found = earlier_run_files(self.run_dir, EARLIER_RUN_FILES)
-        if not any(holds_something(p) for p in found):
+        # run.json alone is a start that logged nothing (killed while loading its models)
+        if not any(holds_something(p) for p in found if p.name != "run.json"):
+            if asked_resume:
+                log.info("--resume: no checkpoint in %s; starting fresh", self.run_dir)
             return
         self._refuse_reading_from_checkpoints("move")
         stamp = time.strftime("earlier-%Y%m%d-%H%M%S", time.gmtime())

@@ -126,10 +126,4 @@ def run_sft(trainer: SupervisedTrainer, resume: bool = False) -> dict:
         "seconds": done.seconds,
         "output_dir": str(trainer.out),
     }
-    log.info(
-        "SFT done: loss %.3f → %.3f, saved to %s",
-        result["loss_first"],
-        result["loss_last"],
-        trainer.out,
-    )
-    return result
+    return result  # `rlhflab sft` says it in one line
