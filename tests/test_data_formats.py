@@ -357,7 +357,7 @@ def test_prompt_rows_with_both_prompt_and_messages_read_the_prompt_and_say_so(tm
     with caplog.at_level("WARNING", logger="rlhflab.experience.data"):
         prompts, _ = load_prompts(f, load_tokenizer(preset_path("nano")), 64)
     assert prompts == ["c", "a"]
-    assert "1 rows hold both 'prompt' and 'messages'; 'prompt' is read" in caplog.text
+    assert "1 row holds both 'prompt' and 'messages'; 'prompt' is read" in caplog.text
 
 
 def test_a_csv_cell_longer_than_the_csv_modules_default_limit_is_read(tmp_path):

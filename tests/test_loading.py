@@ -388,3 +388,15 @@ def test_a_trained_folder_keeps_its_sources_dropout(tmp_path, runtime):
     args = ["sft", f"model.policy={src}", f"sft.output_dir={out}", "sft.steps=1"]
     assert main([*args, f"model.runtime={runtime}", "device=cpu", "log.progress=false"]) == 0
     assert json.loads((out / "config.json").read_text())["attention_dropout"] == 0.1
+
+
+def test_a_tokenizer_without_eos_is_refused_saying_how_to_give_it_one(tmp_path):
+    from rlhflab.models import ModelLoadError
+    from rlhflab.models.loading import load_tokenizer
+    from rlhflab.models.presets import build_tokenizer, default_corpus
+
+    tok = build_tokenizer(default_corpus())
+    tok.eos_token = None
+    tok.save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match=r"no EOS token.*tokenizer.eos_token = "):
+        load_tokenizer(str(tmp_path))

@@ -113,3 +113,16 @@ def test_an_answer_that_ended_at_another_stop_id_is_read_at_eos(nano_rm, tmp_pat
     got = source(R.RewardBatch(prompts, answers, seqs, ro.attention_mask, ro.ended))
     assert torch.equal(got["rm/correctness"][0], got["rm/correctness"][1])
     assert seqs[1, last[1]] == other  # the rollout's own ids are left as they were
+
+
+def test_a_classifiers_classes_summed_as_the_reward_are_said():
+    # a sentiment classifier as reward.model: its NEGATIVE and POSITIVE logits were summed
+    # (every head weighted 1) without a word
+    from rlhflab.experience.cast import summed_classes_warning
+
+    said = summed_classes_warning(["NEGATIVE", "POSITIVE"], {})
+    assert "summed with weight 1 each" in said and "reward.heads={POSITIVE: 1.0}" in said
+    assert summed_classes_warning(["LABEL_0", "LABEL_1"], {}) is not None
+    assert summed_classes_warning(["NEGATIVE", "POSITIVE"], {"POSITIVE": 1.0}) is None
+    assert summed_classes_warning(["LABEL_0"], {}) is None  # one head: it is the reward
+    assert summed_classes_warning(["preference", "brevity"], {}) is None  # rlhflab's heads

@@ -10,6 +10,7 @@ critic trained through LoRA adapters on a frozen (possibly 16-bit) backbone.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 
 import torch
@@ -89,6 +90,26 @@ class ModelCast:
         return out
 
 
+_OPPOSITES = ({"negative", "positive"}, {"neg", "pos"}, {"bad", "good"}, {"no", "yes"})
+
+
+def summed_classes_warning(names: list[str], heads: dict[str, float]) -> str | None:
+    """What to say when ``reward.heads`` is unset and the model's heads look like the
+    classes of a classifier (LABEL_0, LABEL_1; NEGATIVE and POSITIVE…) rather than rlhflab's
+    reward heads: weighted 1 each, the reward is the sum of opposite classes' logits."""
+    if heads or len(names) < 2:
+        return None
+    lowered = {n.lower() for n in names}
+    generic = all(re.fullmatch(r"LABEL_\d+", n) for n in names)
+    if not generic and not any(pair <= lowered for pair in _OPPOSITES):
+        return None
+    return (
+        f"reward.heads is unset, so the reward model's heads {names} are summed with weight "
+        "1 each: for a classifier's classes that sum says nothing of which answer is better; "
+        f"name the weights, e.g. reward.heads={{{names[-1]}: 1.0}}"
+    )
+
+
 def _reward_sources(cfg: Config, tokenizer, device, rm=None, rm_tokenizer=None):
     sources = []
     if rm is not None:
@@ -97,6 +118,9 @@ def _reward_sources(cfg: Config, tokenizer, device, rm=None, rm_tokenizer=None):
         if unknown:
             raise M.ModelLoadError(f"reward.heads: {unknown} not among the model's heads {names}")
         heads = default_head_weights(names, cfg.reward.heads)
+        said = summed_classes_warning(names, cfg.reward.heads)
+        if said:
+            log.warning(said)
         source = ModelReward(
             rm, rm_tokenizer, tokenizer, device=device, micro_batch=cfg.rollout.score_micro_batch
         )

@@ -94,9 +94,10 @@ def load_prompts(
             skip.bad(exc)
     if both:
         log.warning(
-            "%s: %d rows hold both '%s' and '%s'; '%s' is read (data.prompt_field / "
+            "%s: %d row%s both '%s' and '%s'; '%s' is read (data.prompt_field / "
             "data.messages_field name the fields)",
-            rows.name, both, prompt_field, messages_field, prompt_field,
+            rows.name, both, "s hold" if both > 1 else " holds", prompt_field, messages_field,
+            prompt_field,
         )  # fmt: skip
     skip.say(rows.name)
     if not prompts:

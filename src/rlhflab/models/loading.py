@@ -144,7 +144,11 @@ def load_tokenizer(
             f"{path}: the tokenizer cannot be loaded ({load_error_reason(exc)})"
         ) from None
     if tok.eos_token_id is None:
-        raise ModelLoadError(f"{path}: the tokenizer has no EOS token; answers could never end")
+        raise ModelLoadError(
+            f"{path}: the tokenizer has no EOS token; answers could never end. Give it the "
+            "token that ends an answer and save it again (tokenizer.eos_token = '...'; "
+            "tokenizer.save_pretrained(folder))"
+        )
     if tok.pad_token_id is None:
         # Padding is a matter of masks: every forward and every loss in rlhflab takes a mask
         # built from lengths, never from ``ids != pad`` (docs/ppo-details.md §1.2), so an
