@@ -37,8 +37,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -48,7 +46,7 @@ import vs_trl_work
 from ppo_flops import matmul_ceiling
 from trl_ppo import TRL_COMMON, setup_trl_env
 from vs_trl_work import ROLLOUTS, SIZES, build_models, prompt_length
-from worker_process import _peak_rss_mib, evict_torch_libraries, summarise, timed_fit
+from worker_process import _peak_rss_mib, evict_torch_libraries, launch, summarise, timed_fit
 
 HERE = Path(__file__).resolve().parent
 TRL_VERSION = "1.16.0"
@@ -210,22 +208,11 @@ def run_side(
     runtime: str = "native",
     cpu_matmul: str = "torch",
 ) -> dict:
-    from rlhflab.backends.allocator import environment
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    env["TOKENIZERS_PARALLELISM"] = "false"
-    env = environment(allocator, env)
-    env["PYTHONPATH"] = str(HERE.parent / "src") if side != "trl" else ""
-    answer = str(SIZES[size][4])
-    cmd = [python, __file__, "--worker", side, algo, str(folder), answer, str(iterations)]
+    args = [side, algo, str(folder), str(SIZES[size][4]), str(iterations)]
     if side != "trl":
-        cmd += [runtime, cpu_matmul]
-    evict_torch_libraries(python)
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
-    if done.returncode != 0 or not lines:
-        raise RuntimeError(f"{side} {algo} {size} failed:\n{done.stderr[-3000:]}")
-    return json.loads(lines[-1][7:])
+        args += [runtime, cpu_matmul]
+    what = f"{side} {algo} {size}"
+    return launch(python, args, allocator, 1, side != "trl", Path(__file__), what)
 
 
 def format_row(algo: str, size: str, row: dict) -> str:
