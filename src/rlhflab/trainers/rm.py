@@ -193,9 +193,7 @@ def heldout_checks(
         for k, h in enumerate(heads)
     }
     weights = torch.tensor(list(default_head_weights(heads, reward_heads).values()))
-    # a preference file's pair order is its claim that chosen is better: the sum PPO
-    # optimises is checked against it when no head carries it (a one-head LABEL_0 model's
-    # reward row read "-")
+    # without a preference head, the pair order (chosen is better: 1) is the sum's label
     order = torch.ones(len(pairs))
     label = targets[:, heads.index("preference")] if "preference" in heads else order
     out["reward"] = reward_checks(chosen @ weights, rejected @ weights, label, *answer_len)
@@ -333,11 +331,8 @@ def rm_trainer(cfg: Config) -> SupervisedTrainer:
     tokenizer = load_tokenizer_for(init, cfg.model, "rm.init")  # renders chat rows
     # the data is read before the model is loaded: a bad row is reported in seconds
     limit = M.position_limit(init, "rm.init")
-    pairs = (
-        load_preferences(r.data, tokenizer, cfg.data.split, limit, cfg.data.on_bad_row)
-        if r.data
-        else None
-    )
+    bad_rows = cfg.data.on_bad_row
+    pairs = load_preferences(r.data, tokenizer, cfg.data.split, limit, bad_rows) if r.data else None
     # a causal LM (the SFT model) legitimately starts here with a fresh head; fp32 whatever
     # the folder's dtype: these are the trained weights
     model = load_model(
