@@ -135,7 +135,13 @@ def test_numbers_are_read_as_yaml_1_2_decimals_in_files_and_overrides(tmp_path):
     config.write_text("seed: 010\nppo:\n  lr: 3e-6\n  kl_target: null\n")
     cfg = load_config(config, overrides=[REWARD])
     assert (cfg.seed, cfg.ppo.lr, cfg.ppo.kl_target) == (10, 3e-6, None)
-    # PyYAML itself is left as it was for everyone else
+    # what a run records reads back the same, with this reader and with PyYAML's
     import yaml
 
+    from rlhflab.config.base import dump_yaml_text, load_yaml_text
+
+    strings = {"data": {"prompt_field": "1e5", "messages_field": "010"}, "x": [".5", 3e-6]}
+    text = dump_yaml_text(strings)
+    assert load_yaml_text(text) == strings == yaml.safe_load(text)
+    # PyYAML itself is left as it was for everyone else
     assert yaml.safe_load("010") == 8

@@ -221,6 +221,47 @@ def test_wall_time_survives_a_run_killed_after_a_checkpoint(tmp_path):
     finally:
         RunLoop._end_info = real_end
     noted = runinfo.read_run_info(tmp_path)
-    assert noted["steps"] == 4 and noted["finished"] is None and noted["wall_s"] >= first
+    assert noted["checkpoint_step"] == 4 and noted["finished"] is None
+    assert "steps" not in noted  # a report reads steps as the run's end
+    assert noted["wall_s_before"] == first and noted["wall_s_at_checkpoint"] > first
+    # killed again before its first checkpoint: its start's record keeps the time before
+    RunLoop._end_info = lambda *a, **k: None
+    try:
+        with pytest.raises(SystemExit):
+            loop(tmp_path, total=6).run(Killed(tmp_path), resume=True)  # at 4: dies in step 5
+    finally:
+        RunLoop._end_info = real_end
+    again = runinfo.read_run_info(tmp_path)
+    assert again["wall_s_before"] == noted["wall_s_at_checkpoint"]
+    assert "wall_s_at_checkpoint" not in again
     loop(tmp_path, total=6).run(CountingJob(tmp_path), resume=True)
-    assert json.loads((tmp_path / "run.json").read_text())["wall_s"] >= noted["wall_s"]
+    end = json.loads((tmp_path / "run.json").read_text())
+    assert end["wall_s_before"] == again["wall_s_before"] and end["wall_s"] > end["wall_s_before"]
+
+
+def test_the_lock_gives_way_where_a_file_system_has_no_locks_and_is_shared_by_umask(
+    tmp_path, monkeypatch, caplog
+):
+    # NFS without its lock daemon raised ENOLCK out of every run; the lock file was 0644
+    # under a group-sharing umask, so a teammate's resume could not open it
+    import errno
+    import os
+    import stat
+
+    from rlhflab.infra import run_lock
+
+    old = os.umask(0o002)
+    try:
+        loop(tmp_path / "shared", total=1).run(CountingJob(tmp_path / "shared"))
+    finally:
+        os.umask(old)
+    mode = stat.S_IMODE((tmp_path / "shared" / ".rlhflab.lock").stat().st_mode)
+    assert mode == 0o664
+
+    def no_locks(fd, how):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(run_lock.fcntl, "flock", no_locks)
+    with caplog.at_level("WARNING"):
+        assert loop(tmp_path / "nfs", total=1).run(CountingJob(tmp_path / "nfs")).steps == 1
+    assert "not locked (" in caplog.text and "No locks available" in caplog.text

@@ -180,7 +180,7 @@ def test_report_says_at_a_glance_how_the_run_went(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path / "runs")  # not where the run was started
     text = build_report(run).read_text(encoding="utf-8")
     assert '<meta name="viewport"' in text
-    assert "<title>demo-s0/ppo: run report, 40 iterations, 1 alerts</title>" in text
+    assert "<title>demo-s0/ppo: run report, 40 iterations, 1 alert</title>" in text
     order = _sections(text)
     assert order[:3] == ["verdict", "alerts", "run"]  # verdict first, alerts before plots
     assert order.index("curves") > order.index("overopt")
@@ -410,9 +410,13 @@ def test_a_null_value_is_a_gap_and_long_tick_labels_get_room():
     chart = Chart("t", [series_of(rows, "loss")], "u").html()
     lines = re.findall(r'<polyline[^>]*points="([^"]*)"', chart)
     assert [len(p.split()) for p in lines] == [4, 3]  # 1-4 | 6, 7, 9
-    rows[7]["faults/skipped_updates"] = 1  # a skipped update logs no loss: a gap too
+    for r in rows[7:]:  # a skipped update at 8 logs no loss: a gap too (the count stays)
+        r["faults/skipped_updates"] = 1
     lines = re.findall(r'<polyline[^>]*points="([^"]*)"', series_of_chart(rows))
     assert [len(p.split()) for p in lines] == [4, 2, 1]
+    del rows[8]["loss"]  # 9: not logged, no new skip (the running count): passed over
+    lines = re.findall(r'<polyline[^>]*points="([^"]*)"', series_of_chart(rows))
+    assert [len(p.split()) for p in lines] == [4, 2]
     labels = re.findall(r'class="tk">([^<]*)</text>', chart)
     assert "1.0050" in labels and not any("e" in t for t in labels)
     left = float(re.search(r'<rect x="(\d+)"', chart).group(1))

@@ -9,6 +9,7 @@ checkpoint.
 import json
 import logging
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -407,3 +408,41 @@ def test_a_checkpoint_write_that_fails_names_the_folder_and_leaves_no_half_folde
     err = "Error while serializing: I/O error: No space left on device (os error 28)"
     assert storage_error(SafetensorError(err)).startswith("writing a file failed (is the disk")
     assert storage_error(RuntimeError("a bug")) is None
+    # a read that fails inside a write is no write's failure: it passes as it is
+    from rlhflab.infra.files import writing
+
+    with pytest.raises(FileNotFoundError):
+        with writing(tmp_path / "out", "model"):
+            open(tmp_path / "missing.txt")
+    with pytest.raises(WriteFailed, match=r"out: writing its model failed: Permission denied \("):
+        with writing(tmp_path / "out", "model"):
+            raise PermissionError(13, "Permission denied", str(tmp_path / "out" / "x"))
+
+
+def test_a_model_that_cannot_be_written_leaves_no_half_file_and_is_one_line(
+    tmp_path, monkeypatch, capsys
+):
+    # rlhflab sft wrote its model straight into OUT: a full disk left half a
+    # model.safetensors there, and safetensors' error was a traceback
+    from transformers import PreTrainedModel
+
+    class SafetensorError(Exception):  # safetensors' own: a plain Exception
+        pass
+
+    save = PreTrainedModel.save_pretrained
+
+    def full_disk(self, folder, **kwargs):
+        if Path(folder).name != ".model.tmp":  # checkpoints are written; the model is not
+            return save(self, folder, **kwargs)
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        (Path(folder) / "model.safetensors").write_bytes(b"half")
+        raise SafetensorError("Error while serializing: I/O error: No space left on device")
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", full_disk)
+    out = tmp_path / "sft"
+    args = ["sft", "model.policy=preset:nano", "sft.steps=1", f"sft.output_dir={out}"]
+    assert main([*args, "log.progress=false"]) == 2
+    said = capsys.readouterr().err
+    assert f"error: {out}: writing its model failed (is the disk full?)" in said
+    assert "Traceback" not in said
+    assert not (out / "model.safetensors").exists() and not (out / ".model.tmp").exists()

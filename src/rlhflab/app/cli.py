@@ -349,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         elif not isinstance(exc, every_rank_errors()):
             print(f"error (rank {rank}): {exc}", file=sys.stderr)
         code = 2
-    except (OSError, RuntimeError) as exc:
+    except Exception as exc:  # a failed write (safetensors' error is a plain Exception)
         said = storage_error(exc)
         if said is None:
             raise

@@ -8,10 +8,9 @@ import math
 import os
 from pathlib import Path
 
-import yaml
-
 from rlhflab.app.charts import Chart, Series
 from rlhflab.app.report_parts import esc, num, table
+from rlhflab.config.base import dump_yaml_text
 from rlhflab.diagnostics.gold_curve import is_finite_number
 from rlhflab.infra.runlog import read_json
 
@@ -84,7 +83,7 @@ def config_section(config: dict, defaults: dict, started_in: str | None = None) 
         (k, v, d) for k, v, d in mine if v != d and not _default_made_absolute(v, d, started_in)
     ]
     rows = [[k, _show(v), _show(d)] for k, v, d in mine]
-    text = yaml.safe_dump(config, sort_keys=False, allow_unicode=True)
+    text = dump_yaml_text(config)
     lines = text.count("\n")
     own = (
         table(["setting", "this run", "default"], rows)
@@ -288,9 +287,12 @@ def series_of(rows: list[dict], key: str, name: str | None = None, **kw) -> Seri
     finite) and an iteration whose update was skipped (``faults/skipped_updates``: its
     update metrics are not logged) are gaps in the line; any other iteration that does not
     log the key (a signal computed every N-th) is passed over, the line joining across."""
-    points = [
-        (r["iteration"], r.get(key)) for r in rows if key in r or r.get("faults/skipped_updates")
-    ]
+    points, skips = [], 0
+    for r in rows:  # faults/skipped_updates counts the run's skips so far: a rise is one
+        skipped = (r.get("faults/skipped_updates") or 0) > skips
+        skips = max(skips, r.get("faults/skipped_updates") or 0)
+        if key in r or skipped:
+            points.append((r["iteration"], r.get(key)))
     return Series(name or key, points, source=key, **kw)
 
 

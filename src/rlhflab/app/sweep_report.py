@@ -13,6 +13,7 @@ from pathlib import Path
 import yaml
 
 from rlhflab.config import Config
+from rlhflab.config.base import dump_yaml_text
 from rlhflab.infra.files import write_text_atomic
 
 
@@ -81,7 +82,7 @@ def write_results(
         )
         write_text_atomic(
             sweep_dir / "best.yaml",
-            header + yaml.safe_dump(config, sort_keys=False, allow_unicode=True),
+            header + dump_yaml_text(config),
         )
         result["best_yaml"] = str(sweep_dir / "best.yaml")
     write_text_atomic(sweep_dir / "sweep.json", json.dumps(result, indent=2, default=str))

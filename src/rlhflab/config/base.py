@@ -324,6 +324,26 @@ def load_yaml_text(text: str) -> Any:
     return yaml.load(text, Loader=ConfigYamlLoader)
 
 
+class ConfigYamlDumper(yaml.SafeDumper):
+    """yaml.safe_dump's dumper, quoting a string that either reader (PyYAML's YAML 1.1 or
+    :class:`ConfigYamlLoader`) would take for a number: a run's config.yaml or a sweep's
+    best.yaml holding the string '1e5' reads back as that string."""
+
+    yaml_implicit_resolvers = {
+        first: list(resolvers)
+        for first, resolvers in yaml.SafeDumper.yaml_implicit_resolvers.items()
+    }
+
+
+ConfigYamlDumper.add_implicit_resolver(_INT_TAG, _DECIMAL_INT, list("-+0123456789"))
+ConfigYamlDumper.add_implicit_resolver(_FLOAT_TAG, _DECIMAL_FLOAT, list("-+0123456789."))
+
+
+def dump_yaml_text(data: Any) -> str:
+    """``data`` as YAML that :func:`load_yaml_text` reads back as it is (key order kept)."""
+    return yaml.dump(data, Dumper=ConfigYamlDumper, sort_keys=False, allow_unicode=True)
+
+
 class _UniqueKeyLoader(ConfigYamlLoader):
     """The config loader, except that a key given twice in one mapping is an error:
     PyYAML keeps the last silently, so `lr: 1e-5` above `lr: -5` trained with −5."""

@@ -11,6 +11,7 @@ either the old file or the new one. Checkpoints have their own manifest-based sc
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -50,6 +51,9 @@ class WriteFailed(OSError):
 
 # how torch.save (PytorchStreamWriter / inline_container) and safetensors ("Error while
 # serializing: I/O error") report a failed write: RuntimeError and SafetensorError, no errno
+WRITE_ERRNOS = frozenset(
+    (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO, errno.EFBIG)
+)
 WRITER_WORDS = ("PytorchStreamWriter", "inline_container", "Error while serializing")
 
 
@@ -62,9 +66,14 @@ def writing(where: str | Path, what: str = "files"):
     except WriteFailed:
         raise
     except Exception as exc:
-        if not isinstance(exc, OSError) and not any(w in str(exc) for w in WRITER_WORDS):
+        if isinstance(exc, OSError):
+            if exc.errno not in WRITE_ERRNOS:  # a file not found, say: not a write's failure
+                raise
+            reason = exc.strerror + (f" ({exc.filename})" if exc.filename else "")
+        elif any(w in str(exc) for w in WRITER_WORDS):
+            reason = str(exc).splitlines()[0]
+        else:
             raise
-        reason = getattr(exc, "strerror", None) or str(exc).splitlines()[0]
         full = "No space left" in str(exc) or "unexpected pos" in str(exc)
         hint = " (is the disk full?)" if full or not isinstance(exc, OSError) else ""
         raise WriteFailed(f"{where}: writing its {what} failed{hint}: {reason}") from exc

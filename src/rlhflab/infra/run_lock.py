@@ -8,12 +8,14 @@ run there is refused with the process that holds it. The kernel drops the lock w
 process ends however it ends (``kill -9`` included), so a killed run never leaves a stale
 lock behind and ``--resume`` works at once.
 
-``flock`` is POSIX (Linux, macOS); where it does not exist (Windows) runs are not locked.
+``flock`` is POSIX (Linux, macOS); where it does not exist (Windows), or the file system
+refuses it (NFS without its lock daemon), runs are not locked (the latter said once).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +28,7 @@ except ImportError:  # Windows
     fcntl = None
 
 LOCK_NAME = ".rlhflab.lock"
+log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -38,7 +41,10 @@ def run_lock(run_dir: Path, field: str = "log.output_dir") -> Iterator[None]:
     made = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / LOCK_NAME
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:  # 0o666 less the umask, as every file of the run: a teammate's resume opens it too
+        fd, writable = os.open(path, os.O_RDWR | os.O_CREAT, 0o666), True
+    except PermissionError:  # another user's lock file: flock works on a read-only handle
+        fd, writable = os.open(path, os.O_RDONLY), False
     held = False
     try:
         if fcntl is not None:
@@ -50,9 +56,12 @@ def run_lock(run_dir: Path, field: str = "log.output_dir") -> Iterator[None]:
                     f"{field}: another rlhflab run (process {holder}) is training in "
                     f"{run_dir}; wait for it to end, or give this run another folder"
                 ) from None
+            except OSError as exc:  # a file system without locks (NFS without lockd, ...)
+                log.warning("%s: not locked (%s); run one training at a time here", path, exc)
         held = True
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
+        if writable:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
         yield
     finally:
         os.close(fd)  # releases the lock

@@ -152,10 +152,12 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def last_logged_metrics(run_dir: Path, step: int) -> dict:
     """The metrics.jsonl row of a run's latest step up to ``step``, without its
-    ``iteration`` key; {} where there is none (the file missing, or log_every skipped)."""
+    ``iteration`` key, nulls as NaN; {} where there is none."""
     path = Path(run_dir) / "metrics.jsonl"
     rows = [r for r in read_jsonl(path) if r.get("iteration", 0) <= step] if path.is_file() else []
-    return {k: v for k, v in rows[-1].items() if k != "iteration"} if rows else {}
+    # null in the file is a value that was not finite: NaN, as a live run's metrics hold it
+    last = rows[-1] if rows else {}
+    return {k: math.nan if v is None else v for k, v in last.items() if k != "iteration"}
 
 
 def read_json(path: Path):

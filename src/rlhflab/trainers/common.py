@@ -68,9 +68,13 @@ def keep_last_good(model, tokenizer, out: Path) -> Callable[[], str]:
         final = Path(out) / LAST_GOOD
         tmp = final.with_name(LAST_GOOD + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        with writing(final, "model"):
-            model.save_pretrained(tmp, safe_serialization=True)
-            tokenizer.save_pretrained(tmp)
+        try:
+            with writing(final, "model"):
+                model.save_pretrained(tmp, safe_serialization=True)
+                tokenizer.save_pretrained(tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # a full disk stays no fuller
+            raise
         share_like_umask(tmp)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)

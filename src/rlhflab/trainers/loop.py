@@ -31,9 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-import yaml
-
 from rlhflab.config import PATH_FIELDS, ConfigError, LogConfig, absolute_paths
+from rlhflab.config.base import dump_yaml_text
 from rlhflab.infra import checkpoint as C
 from rlhflab.infra import runinfo
 from rlhflab.infra.files import write_text_atomic
@@ -186,10 +185,7 @@ class RunLoop:
             "total": self.total,  # a report of a killed run still knows what it aimed at
             # what the run's relative defaults were made absolute against (config.PATH_FIELDS)
             "started_in": old.get("started_in") or os.getcwd(),
-            # a run killed before its end wrote no end time: its last checkpoint's note
-            "wall_s_before": (old.get("wall_s") or old.get("wall_s_before") or 0.0)
-            if resume_step is not None
-            else 0.0,
+            "wall_s_before": _wall_before(old) if resume_step is not None else 0.0,
             **({"resumed_at": resume_step} if resume_step is not None else {}),
             **runinfo.machine_facts(),
             **self._facts(),
@@ -205,10 +201,11 @@ class RunLoop:
         ``kill -9`` adds its own to (the time after the last checkpoint is not counted)."""
         if self.is_main:
             with contextlib.suppress(OSError):  # a record; the checkpoint itself is written
+                # not wall_s/steps: a report of the run still going (or killed) reads those
+                # as its end, where its logs go on past this checkpoint
                 wall = info["wall_s_before"] + seconds
-                runinfo.write_run_info(
-                    self.run_dir, {**info, "wall_s": wall, "steps": job.iteration}
-                )
+                note = {"wall_s_at_checkpoint": wall, "checkpoint_step": job.iteration}
+                runinfo.write_run_info(self.run_dir, {**info, **note})
 
     def _end_info(self, info: dict, job: Job, reason: str | None, seconds: float) -> None:
         if not self.is_main:
@@ -281,7 +278,7 @@ class RunLoop:
         elif resume_step is None:
             self._clear_earlier_run()
         # whole or not at all: a resume reads it back
-        write_text_atomic(saved, yaml.safe_dump(self.config, sort_keys=False, allow_unicode=True))
+        write_text_atomic(saved, dump_yaml_text(self.config))
         return RunLog(self.run_dir, self.log.tensorboard, self.log.wandb, self.config, resume_step)
 
     def _clear_earlier_run(self) -> None:
@@ -369,6 +366,12 @@ class RunLoop:
             or job.iteration == self.total
             or stop_reason
         )
+
+
+def _wall_before(old: dict) -> float:
+    """The wall time of the runs before a resume, from their run.json: the end's, or for
+    a run killed before its end its last checkpoint's note (or the runs before it)."""
+    return old.get("wall_s") or old.get("wall_s_at_checkpoint") or old.get("wall_s_before") or 0.0
 
 
 _OUTPUT = {"SFT": "sft", "RM": "rm"}  # where SFT and RM name their folder (run/ in it)

@@ -12,6 +12,8 @@ last good weights in ``OUTPUT_DIR/last-good``.
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -170,11 +172,20 @@ class SupervisedTrainer:
         start = time.perf_counter()
         done = loop.run(self, resume)
         self.out.mkdir(parents=True, exist_ok=True)
-        with writing(self.out, "model"):
-            self.model.save_pretrained(self.out, safe_serialization=True)
-            restore_dropout(self.out, self.model)  # the source's, not the zeros trained with
-            self.tokenizer.save_pretrained(self.out)
-        share_like_umask(self.out)  # safetensors writes owner-only files
+        # written beside, then moved in file by file (OUT also holds run/ and inputs/): a
+        # write that fails (a full disk) leaves OUT's model as it was, and no half file
+        tmp = self.out / ".model.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            with writing(self.out, "model"):
+                self.model.save_pretrained(tmp, safe_serialization=True)
+                restore_dropout(tmp, self.model)  # the source's, not the zeros trained with
+                self.tokenizer.save_pretrained(tmp)
+            share_like_umask(tmp)  # safetensors writes owner-only files
+            for f in sorted(tmp.iterdir()):
+                os.replace(f, self.out / f.name)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
         done.seconds = time.perf_counter() - start
         return done
 
