@@ -265,3 +265,59 @@ def test_the_lock_gives_way_where_a_file_system_has_no_locks_and_is_shared_by_um
     with caplog.at_level("WARNING"):
         assert loop(tmp_path / "nfs", total=1).run(CountingJob(tmp_path / "nfs")).steps == 1
     assert "not locked (" in caplog.text and "No locks available" in caplog.text
+
+
+def _hold(folder):
+    """Another process holding ``folder``'s run lock (until killed)."""
+    import subprocess
+    import sys
+
+    folder.mkdir(parents=True, exist_ok=True)
+    held = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys, time; "
+         "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); fcntl.flock(fd, fcntl.LOCK_EX); "
+         "print('held', flush=True); time.sleep(60)", str(folder / ".rlhflab.lock")],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert held.stdout.readline().strip() == "held"
+    return held
+
+
+def test_a_refused_start_writes_nothing_in_the_held_folder(tmp_path):
+    # the Python API wrote inputs/python_rewards.json into a folder a CLI run held (whose
+    # --resume was then refused for Python rewards), and a second demo retrained the SFT
+    # and reward models under the first one's PPO stage
+    import pytest
+
+    import rlhflab
+    from rlhflab.app.compare import run_compare
+    from rlhflab.app.demo import run_demo
+    from rlhflab.config import ConfigError
+
+    run = tmp_path / "ppo"
+    held = _hold(run)
+    try:
+        trainer = rlhflab.PPOTrainer(
+            model="preset:nano",
+            reward=lambda prompts, responses: [0.0] * len(responses),
+            overrides={"ppo.iterations": 1, "log.progress": False},
+            output_dir=str(run),
+        )
+        with pytest.raises(ConfigError, match="another rlhflab run"):
+            trainer.train()
+        assert not (run / "inputs" / "python_rewards.json").exists()
+    finally:
+        held.kill()
+        held.wait()
+    for root, start in (
+        (tmp_path / "quick-s0", run_demo),
+        (tmp_path / "compare-quick-s0", run_compare),
+    ):
+        held = _hold(root)
+        try:
+            with pytest.raises(ConfigError, match=r"--out: another rlhflab run"):
+                start("quick", 0, tmp_path, progress=False)
+            assert not (root / "sft").exists()
+        finally:
+            held.kill()
+            held.wait()

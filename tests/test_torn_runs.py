@@ -395,7 +395,7 @@ def test_a_checkpoint_write_that_fails_names_the_folder_and_leaves_no_half_folde
     with pytest.raises(WriteFailed) as err:
         trainer.save(5)
     said = storage_error(err.value)
-    assert said.startswith(f"{tmp_path / 'run' / 'checkpoints' / 'step-5'}: writing its ")
+    assert said.startswith(f"{tmp_path / 'run' / 'checkpoints' / 'step-5'}: the checkpoint could")
     assert "(is the disk full?)" in said
     assert not (tmp_path / "run" / "checkpoints" / "step-5.tmp").exists()
     monkeypatch.undo()
@@ -414,7 +414,9 @@ def test_a_checkpoint_write_that_fails_names_the_folder_and_leaves_no_half_folde
     with pytest.raises(FileNotFoundError):
         with writing(tmp_path / "out", "model"):
             open(tmp_path / "missing.txt")
-    with pytest.raises(WriteFailed, match=r"out: writing its model failed: Permission denied \("):
+    with pytest.raises(
+        WriteFailed, match=r"out: the model could not be written: Permission denied \("
+    ):
         with writing(tmp_path / "out", "model"):
             raise PermissionError(13, "Permission denied", str(tmp_path / "out" / "x"))
 
@@ -443,6 +445,36 @@ def test_a_model_that_cannot_be_written_leaves_no_half_file_and_is_one_line(
     args = ["sft", "model.policy=preset:nano", "sft.steps=1", f"sft.output_dir={out}"]
     assert main([*args, "log.progress=false"]) == 2
     said = capsys.readouterr().err
-    assert f"error: {out}: writing its model failed (is the disk full?)" in said
+    assert f"error: {out}: the model could not be written (is the disk full?)" in said
     assert "Traceback" not in said
     assert not (out / "model.safetensors").exists() and not (out / ".model.tmp").exists()
+
+
+def test_reading_a_run_that_deletes_its_newest_checkpoint_meanwhile_takes_the_next(
+    tmp_path, monkeypatch
+):
+    # export/generate on a run still training: log.keep_last deleted the checkpoint being
+    # read, and the error blamed the tokenizer ("Repo id must be in the form ...")
+    from rlhflab.infra import runs
+
+    PPOTrainer(make_cfg(tmp_path, "ppo.iterations=3", "log.checkpoint_every=1")).fit()
+    run = tmp_path / "run"
+    assert [p.name for p in C.list_checkpoints(run)] == ["step-2", "step-3"]
+    found = runs.find_policy(run)
+    assert found.checkpoint.name == "step-3"
+    shutil.move(run / "checkpoints" / "step-3", tmp_path / "gone")  # pruned before the load
+    found.load()
+    assert found.checkpoint.name == "step-2" and found.lm is not None
+    shutil.move(tmp_path / "gone", run / "checkpoints" / "step-3")
+    real = runs._run_at
+
+    def pruned_while_read(run_dir, which, path):
+        if path.name == "step-3":
+            shutil.rmtree(path)
+            raise OSError("config.json: no such file")
+        return real(run_dir, which, path)
+
+    monkeypatch.setattr(runs, "_run_at", pruned_while_read)
+    assert runs.find_policy(run).checkpoint.name == "step-2"
+    with pytest.raises(C.CheckpointError):  # a checkpoint asked for by name: no other
+        runs.find_policy(run, checkpoint="step-9")

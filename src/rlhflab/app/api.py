@@ -211,9 +211,11 @@ class PPOTrainer(Trainer):
         self._python = (rewards.extra, gold_fn)
 
     def _train(self, resume: bool) -> dict:
-        # recorded when this run trains, not when it is built: a start that is refused or
-        # never trains must leave an earlier run's record (its resume refusal) as it was
-        I.note_python_rewards(Path(self.config.log.output_dir), *self._python)
+        # recorded when this run trains — once it holds its folder (RunLoop calls
+        # on_locked) — not when it is built: a start that is refused or never trains
+        # must leave an earlier run's record (its resume refusal) as it was
+        run_dir = Path(self.config.log.output_dir)
+        self.engine.on_locked = lambda: I.note_python_rewards(run_dir, *self._python)
         return {**self.engine.fit(resume), "output_dir": self.config.log.output_dir}
 
     @property

@@ -22,6 +22,7 @@ from rlhflab.app.tables import COMPARE_COLUMNS, cell
 from rlhflab.config import Config, ConfigError, validate
 from rlhflab.config import base as configbase
 from rlhflab.infra.files import write_text_atomic
+from rlhflab.infra.run_lock import run_lock
 
 METHODS = ("ppo", "grpo", "rloo", "dpo")
 COLUMNS = COMPARE_COLUMNS
@@ -134,13 +135,21 @@ def run_compare(
     ``extra`` are config overrides applied to every stage (``ppo.iterations=5``);
     ``eval_prompts`` defaults to the preset's held-out set size.
     """
-    from rlhflab.app.demo import PRESETS, demo_config, sft_stage_config
-    from rlhflab.trainers.rm import train_rm
-    from rlhflab.trainers.sft import train_sft
+    from rlhflab.app.demo import demo_config
 
     run, cfg = demo_config(preset, seed, Path(out_root), extra)
     run = run.with_name(f"compare-{run.name}")
     run.mkdir(parents=True, exist_ok=True)
+    with run_lock(run, "--out"):  # one compare at a time in its folder, as the demo
+        return _compare(run, cfg, preset, seed, out_root, extra, progress, eval_prompts)
+
+
+def _compare(run: Path, cfg, preset, seed, out_root, extra, progress, eval_prompts) -> dict:
+    """SFT and the reward model, then every method in its own process, into ``run``."""
+    from rlhflab.app.demo import PRESETS, sft_stage_config
+    from rlhflab.trainers.rm import train_rm
+    from rlhflab.trainers.sft import train_sft
+
     cfg.sft.output_dir, cfg.rm.output_dir = str(run / "sft"), str(run / "rm")
     cfg.model.policy, cfg.reward.model = str(run / "sft"), str(run / "rm")
     cfg.log.progress = progress and cfg.log.progress

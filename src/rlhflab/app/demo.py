@@ -24,6 +24,7 @@ from rlhflab.config import load_config
 from rlhflab.diagnostics.evaluate import evaluate_policy, heldout_prompts
 from rlhflab.experience.cast import load_frozen_policy
 from rlhflab.infra.files import write_text_atomic
+from rlhflab.infra.run_lock import run_lock
 from rlhflab.infra.runinfo import read_run_info
 from rlhflab.infra.runs import load_policy
 
@@ -159,13 +160,21 @@ def run_demo(
     extra: list[str] | None = None,
     progress: bool = True,
 ) -> dict:
+    run, cfg = demo_config(preset, seed, out_root, extra)
+    cfg.log.progress = progress and cfg.log.progress  # `log.progress=false` wins
+    run.mkdir(parents=True, exist_ok=True)
+    # one demo at a time in its folder: a second one would train the SFT and reward models
+    # again under the first one's PPO stage (each stage's own lock covers that stage only)
+    with run_lock(run, "--out"):
+        return _demo_stages(run, cfg, preset, seed, out_root, extra)
+
+
+def _demo_stages(run: Path, cfg, preset: str, seed: int, out_root, extra) -> dict:
+    """SFT, the reward model, PPO and the held-out evaluation, into ``run``."""
     from rlhflab.trainers.ppo import PPOTrainer
     from rlhflab.trainers.rm import train_rm
     from rlhflab.trainers.sft import train_sft
 
-    run, cfg = demo_config(preset, seed, out_root, extra)
-    cfg.log.progress = progress and cfg.log.progress  # `log.progress=false` wins
-    run.mkdir(parents=True, exist_ok=True)
     timing, t_all = {}, time.perf_counter()
 
     # Stage 1: SFT from the randomly initialised preset on the noisy teacher's answers.

@@ -32,7 +32,7 @@ def write_lines_atomic(path: str | Path, lines: Iterable[str]) -> Path:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with tmp.open("w", encoding="utf-8") as f:
+        with writing(path, "file"), tmp.open("w", encoding="utf-8") as f:
             for line in lines:
                 f.write(line)
         os.replace(tmp, path)
@@ -76,7 +76,7 @@ def writing(where: str | Path, what: str = "files"):
             raise
         full = "No space left" in str(exc) or "unexpected pos" in str(exc)
         hint = " (is the disk full?)" if full or not isinstance(exc, OSError) else ""
-        raise WriteFailed(f"{where}: writing its {what} failed{hint}: {reason}") from exc
+        raise WriteFailed(f"{where}: the {what} could not be written{hint}: {reason}") from exc
 
 
 def current_umask() -> int:

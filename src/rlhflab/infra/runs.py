@@ -40,6 +40,7 @@ class PolicySource:
     run_config: dict | None = None  # the run's config.yaml as written (None: not a run)
     base: str | None = None  # the base model of a LoRA adapter (a folder or preset:NAME)
     lm: nn.Module | None = None  # set by load()
+    newest: bool = False  # the checkpoint is the run's newest ('last'), picked afresh if gone
 
     @property
     def is_lora(self) -> bool:
@@ -48,10 +49,25 @@ class PolicySource:
     def load(self, device="cpu") -> nn.Module:
         """The causal LM (peft-wrapped for a LoRA adapter), fp32, in eval mode on
         ``device``; also kept as ``self.lm``."""
-        if self.lm is None:
-            self.lm = _LOADERS[self.kind](self)
+        for attempt in range(_TRIES):
+            try:
+                self.lm = self.lm or _LOADERS[self.kind](self)
+                break
+            except Exception:
+                if not _pruned(self) or attempt == _TRIES - 1:
+                    raise
+                # a run still training deleted it (log.keep_last): its newest one now
+                self.checkpoint = pick_checkpoint(Path(self.source), "last")
         self.lm.to(device).eval()
         return self.lm
+
+
+_TRIES = 5  # checkpoints a reader lets a training run delete under it before it gives up
+
+
+def _pruned(src: PolicySource) -> bool:
+    """Whether ``src``'s checkpoint, the newest of its run when picked, is gone since."""
+    return src.newest and src.checkpoint is not None and not src.checkpoint.exists()
 
 
 def is_run_dir(path: Path) -> bool:
@@ -180,10 +196,22 @@ def _adapter(folder: Path, options: ModelConfig) -> PolicySource:
 
 
 def _run(run_dir: Path, which: str) -> PolicySource:
+    """A run's policy; its newest checkpoint ('last') picked again where a run that is
+    still training deletes it while it is read (log.keep_last)."""
+    for attempt in range(_TRIES):
+        path = pick_checkpoint(run_dir, which)
+        try:
+            return _run_at(run_dir, which, path)
+        except Exception:
+            if which != "last" or path.exists() or attempt == _TRIES - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _run_at(run_dir: Path, which: str, path: Path) -> PolicySource:
     run_config = read_run_config(run_dir)
     where = f"{run_dir / RUN_CONFIG}: "
     options = build(ModelConfig, run_config.get("model") or {}, where + "model.")
-    path = pick_checkpoint(run_dir, which)
     saved = path / "policy"
     lora = (saved / ADAPTER_CONFIG).is_file()
     if lora and not options.lora_r:
@@ -198,6 +226,7 @@ def _run(run_dir: Path, which: str) -> PolicySource:
         path,
         run_config,
         options.policy if lora else None,
+        newest=which == "last",
     )
 
 

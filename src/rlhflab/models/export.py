@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from rlhflab.infra.files import share_like_umask
+from rlhflab.infra.files import WRITER_WORDS, share_like_umask
 from rlhflab.models.heads import PolicyWithValueHead
 from rlhflab.models.prepare import ModelLoadError, first_line, restore_dropout
 
@@ -87,7 +87,11 @@ def building_folder(out: Path, error: type[Exception] = ExportError) -> Iterator
         yield tmp
         share_like_umask(tmp)  # safetensors writes owner-only files
         replace_folder(tmp, out)
-    except OSError as exc:
+    except Exception as exc:
+        # torch's and safetensors' writers say a full disk without an errno (SafetensorError
+        # is a plain Exception): the same one line
+        if not isinstance(exc, OSError) and not any(w in str(exc) for w in WRITER_WORDS):
+            raise
         raise error(f"{out}: cannot be written ({first_line(exc)})") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

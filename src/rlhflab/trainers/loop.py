@@ -109,6 +109,10 @@ class RunLoop:
     def run(self, job: Job, resume: bool = False) -> RunResult:
         field = f"{_OUTPUT.get(self.name, 'log')}.output_dir"
         with run_lock(self.run_dir, field) if self.is_main else contextlib.nullcontext():
+            # what a job writes into the run folder before it runs (the Python API's
+            # record of its rewards) waits for the lock: a refused start writes nothing
+            if self.is_main and getattr(job, "on_locked", None) is not None:
+                job.on_locked()
             return self._run(job, resume)
 
     def _run(self, job: Job, resume: bool) -> RunResult:
