@@ -321,3 +321,26 @@ def test_a_refused_start_writes_nothing_in_the_held_folder(tmp_path):
         finally:
             held.kill()
             held.wait()
+
+
+def test_under_a_process_group_every_rank_raises_rank_zeros_refusal(tmp_path):
+    # torchrun: rank 0 said the refusal and the other ranks died in their next collective
+    # with a transport traceback; the refusal is now broadcast and raised on every rank
+    import pytest
+    import torch.distributed as dist
+
+    from rlhflab.config import ConfigError
+    from rlhflab.infra.run_lock import rank_zero_lock
+
+    held = _hold(tmp_path / "run")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ConfigError, match="another rlhflab run"):
+            with rank_zero_lock(tmp_path / "run", "log.output_dir", is_main=True):
+                pass
+        with rank_zero_lock(tmp_path / "free", "log.output_dir", is_main=False):
+            pass  # a rank that writes nothing takes no lock, and passes when rank 0 has it
+    finally:
+        dist.destroy_process_group()
+        held.kill()
+        held.wait()

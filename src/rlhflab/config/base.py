@@ -95,8 +95,7 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
         raise ConfigError(f"{name}: expected an integer, got {value!r}")
     if tp is str and isinstance(value, (int, float)) and not isinstance(value, bool):
         raise ConfigError(
-            f"{name}: expected str, got {value!r} (YAML reads it as a number; quote it for "
-            "text)"
+            f"{name}: expected str, got {value!r} (YAML reads it as a number; quote it for text)"
         )
     if isinstance(tp, type) and not isinstance(value, tp):
         raise ConfigError(f"{name}: expected {_type_name(tp)}, got {value!r}")

@@ -70,3 +70,29 @@ def run_lock(run_dir: Path, field: str = "log.output_dir") -> Iterator[None]:
                 if [p.name for p in run_dir.iterdir()] == [LOCK_NAME]:
                     path.unlink()
                     run_dir.rmdir()
+
+
+@contextlib.contextmanager
+def rank_zero_lock(run_dir: Path, field: str, is_main: bool) -> Iterator[None]:
+    """:func:`run_lock` held by the process that writes the run's files (rank 0 under
+    torchrun); with a process group, its refusal is sent to every rank, which all raise it
+    (ConfigError: rank 0 says it once) instead of the others dying in their next
+    collective with a transport error."""
+    import torch.distributed as dist
+
+    grouped = dist.is_available() and dist.is_initialized()
+    with contextlib.ExitStack() as stack:
+        refused = None
+        if is_main:
+            try:
+                stack.enter_context(run_lock(run_dir, field))
+            except ConfigError as exc:
+                if not grouped:
+                    raise
+                refused = str(exc)
+        if grouped:
+            said = [refused]
+            dist.broadcast_object_list(said, src=0)
+            if said[0] is not None:
+                raise ConfigError(said[0])
+        yield

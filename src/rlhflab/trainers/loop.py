@@ -36,7 +36,7 @@ from rlhflab.config.base import dump_yaml_text
 from rlhflab.infra import checkpoint as C
 from rlhflab.infra import runinfo
 from rlhflab.infra.files import write_text_atomic
-from rlhflab.infra.run_lock import run_lock
+from rlhflab.infra.run_lock import rank_zero_lock
 from rlhflab.infra.runlog import (
     EARLIER_RUN_FILES,
     RunLog,
@@ -108,7 +108,7 @@ class RunLoop:
 
     def run(self, job: Job, resume: bool = False) -> RunResult:
         field = f"{_OUTPUT.get(self.name, 'log')}.output_dir"
-        with run_lock(self.run_dir, field) if self.is_main else contextlib.nullcontext():
+        with rank_zero_lock(self.run_dir, field, self.is_main):
             # what a job writes into the run folder before it runs (the Python API's
             # record of its rewards) waits for the lock: a refused start writes nothing
             if self.is_main and getattr(job, "on_locked", None) is not None:
