@@ -297,15 +297,28 @@ def test_a_refused_start_writes_nothing_in_the_held_folder(tmp_path):
     run = tmp_path / "ppo"
     held = _hold(run)
     try:
-        trainer = rlhflab.PPOTrainer(
-            model="preset:nano",
-            reward=lambda prompts, responses: [0.0] * len(responses),
-            overrides={"ppo.iterations": 1, "log.progress": False},
-            output_dir=str(run),
-        )
-        with pytest.raises(ConfigError, match="another rlhflab run"):
-            trainer.train()
+        with pytest.raises(ConfigError, match="another rlhflab run"):  # before models load
+            rlhflab.PPOTrainer(
+                model="preset:nano",
+                reward=lambda prompts, responses: [0.0] * len(responses),
+                overrides={"ppo.iterations": 1, "log.progress": False},
+                output_dir=str(run),
+            )
         assert not (run / "inputs" / "python_rewards.json").exists()
+    finally:
+        held.kill()
+        held.wait()
+    built = rlhflab.PPOTrainer(  # built while the folder was free, trained once it is not
+        model="preset:nano",
+        reward=lambda prompts, responses: [0.0] * len(responses),
+        overrides={"ppo.iterations": 1, "log.progress": False},
+        output_dir=str(tmp_path / "later"),
+    )
+    held = _hold(tmp_path / "later")
+    try:
+        with pytest.raises(ConfigError, match="another rlhflab run"):
+            built.train()
+        assert not (tmp_path / "later" / "inputs" / "python_rewards.json").exists()
     finally:
         held.kill()
         held.wait()

@@ -96,3 +96,10 @@ def rank_zero_lock(run_dir: Path, field: str, is_main: bool) -> Iterator[None]:
             if said[0] is not None:
                 raise ConfigError(said[0])
         yield
+
+
+def refuse_held(run_dir: Path, field: str, is_main: bool) -> None:
+    """Refuse now, before any model loads, a folder another run holds (the run takes the
+    lock itself when it starts: :func:`rank_zero_lock`); collective under torchrun."""
+    with rank_zero_lock(run_dir, field, is_main):
+        pass

@@ -33,6 +33,7 @@ from rlhflab.infra.distributed import (
     init_distributed,
     rank_split,
 )
+from rlhflab.infra.run_lock import refuse_held
 from rlhflab.trainers import ppo_guards as guards
 from rlhflab.trainers.common import load_prompt_set
 from rlhflab.trainers.loop import RunLoop
@@ -85,6 +86,7 @@ class PPOTrainer:
         self.stream = load_prompt_set(cfg, tokenizer)
         self.stream.batch_size = r.prompts_per_iteration // self.group_size  # distinct prompts
         self._check_batch(guards.policy_positions(cfg, cast))
+        refuse_held(Path(cfg.log.output_dir), "log.output_dir", self.ctx.is_main)  # before models
         device = self.ctx.device if self.ctx.enabled else None
         self.cast = cast or build_cast(cfg, device, tokenizer, rewards)
         self.device = self.cast.device
