@@ -155,8 +155,6 @@ def test_the_settings_history_keeps_its_first_copy_and_a_fresh_start_clears_it(t
 def test_a_second_run_in_a_folder_being_trained_in_is_refused_naming_the_first(tmp_path):
     # two runs in one folder appended to one metrics.jsonl and interleaved checkpoints
     import os
-    import subprocess
-    import sys
 
     import pytest
 
@@ -175,13 +173,7 @@ def test_a_second_run_in_a_folder_being_trained_in_is_refused_naming_the_first(t
     assert loop(tmp_path, total=2).run(Peek(tmp_path)).steps == 2
     assert [r["iteration"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2]
     # released at the end, and by the kernel when a holder is killed: a resume goes on
-    held = subprocess.Popen(
-        [sys.executable, "-c", "import fcntl, os, sys, time; "
-         "fd = os.open(sys.argv[1], os.O_RDWR); fcntl.flock(fd, fcntl.LOCK_EX); "
-         "print('held', flush=True); time.sleep(60)", str(tmp_path / ".rlhflab.lock")],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    assert held.stdout.readline().strip() == "held"
+    held = _hold(tmp_path)
     with pytest.raises(ConfigError, match="another rlhflab run"):
         loop(tmp_path, total=3).run(CountingJob(tmp_path), resume=True)
     held.kill()
