@@ -165,7 +165,8 @@ def cmd_ppo(args) -> int:
         refuse_resume_without_python_rewards(cfg.log.output_dir)
     summary = train(cfg, resume=args.resume)
     if _rank() == 0:  # under torchrun, said once
-        print(f"done: {summary['iterations']} iterations, output in {cfg.log.output_dir}")
+        n = summary["iterations"]
+        print(f"done: {n} iteration{'s' * (n != 1)}, output in {cfg.log.output_dir}")
     return 0
 
 
