@@ -49,11 +49,12 @@ class WriteFailed(OSError):
     torch's and safetensors' writers names no file."""
 
 
-# how torch.save (PytorchStreamWriter / inline_container) and safetensors ("Error while
-# serializing: I/O error") report a failed write: RuntimeError and SafetensorError, no errno
+# the OS errors of a write that failed (a file not found is not one)
 WRITE_ERRNOS = frozenset(
     (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO, errno.EFBIG)
 )
+# how torch.save (PytorchStreamWriter / inline_container) and safetensors ("Error while
+# serializing: I/O error") report a failed write: RuntimeError and SafetensorError, no errno
 WRITER_WORDS = ("PytorchStreamWriter", "inline_container", "Error while serializing")
 
 
