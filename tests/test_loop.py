@@ -349,3 +349,24 @@ def test_under_a_process_group_every_rank_raises_rank_zeros_refusal(tmp_path):
         dist.destroy_process_group()
         held.kill()
         held.wait()
+
+
+def test_sft_and_dpo_refuse_a_held_folder_before_their_model_loads(tmp_path, monkeypatch, capsys):
+    from rlhflab.app.cli import main
+    from rlhflab.trainers import dpo, sft
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded first")
+
+    monkeypatch.setattr(sft, "load_model", no_model)
+    monkeypatch.setattr(dpo, "load_model", no_model)
+    for stage, folder, field in (("sft", tmp_path / "s" / "run", "sft.output_dir"),
+                                 ("dpo", tmp_path / "d", "log.output_dir")):  # fmt: skip
+        held = _hold(folder)
+        try:
+            out = f"{field}={folder.parent if stage == 'sft' else folder}"
+            assert main([stage, "model.policy=preset:nano", out, "log.progress=false"]) == 2
+            assert f"error: {field}: another rlhflab run" in capsys.readouterr().err
+        finally:
+            held.kill()
+            held.wait()
