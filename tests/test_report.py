@@ -428,3 +428,11 @@ def series_of_chart(rows):
     from rlhflab.app.report_sections import series_of
 
     return Chart("t", [series_of(rows, "loss")], "u").html()
+
+
+def test_a_table_cell_never_reads_minus_zero():
+    # compare's KL column printed -0.000 for a k1 estimate of -2e-4
+    from rlhflab.app.tables import cell
+
+    assert cell("kl", -0.0002) == "0.000" and cell("kl", -0.0012) == "-0.001"
+    assert cell("kl", 0.0) == "0.000" and cell("kl", float("nan")) == "-"

@@ -29,5 +29,6 @@ def cell(column: str, value) -> str:
     if column in UNITS and isinstance(value, (int, float)) and not isinstance(value, bool):
         return f"{round(value):,} {UNITS[column]}"
     if isinstance(value, float):
-        return f"{value:.3f}"
+        text = f"{value:.3f}"
+        return "0.000" if text == "-0.000" else text  # a k1 KL of -2e-4 rounds to zero
     return "-" if value is None else str(value)
