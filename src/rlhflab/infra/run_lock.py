@@ -34,11 +34,11 @@ log = logging.getLogger(__name__)
 @contextlib.contextmanager
 def run_lock(run_dir: Path, field: str = "log.output_dir") -> Iterator[None]:
     """Hold ``run_dir``'s lock for the body; ConfigError naming ``field`` (the setting that
-    chose the folder) when another process holds it. A folder this call made and that
-    holds nothing but the lock when the body ends (a run refused before it wrote anything)
-    is removed again."""
+    chose the folder) when another process holds it. The folders this call made, when they
+    hold nothing but the lock as the body ends (a run refused, or failing, before it wrote
+    anything), are removed again."""
     run_dir = Path(run_dir)
-    made = not run_dir.exists()
+    made = [p for p in (run_dir, *run_dir.parents) if not p.exists()]  # innermost first
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / LOCK_NAME
     try:  # 0o666 less the umask, as every file of the run: a teammate's resume opens it too
@@ -66,10 +66,11 @@ def run_lock(run_dir: Path, field: str = "log.output_dir") -> Iterator[None]:
     finally:
         os.close(fd)  # releases the lock
         if made and held:
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError):  # a folder holding more stops the walk up
                 if [p.name for p in run_dir.iterdir()] == [LOCK_NAME]:
                     path.unlink()
-                    run_dir.rmdir()
+                    for folder in made:
+                        folder.rmdir()
 
 
 @contextlib.contextmanager
