@@ -6,7 +6,6 @@ A sequence is ``prompt + response + EOS``; the loss covers the response tokens a
 
 from __future__ import annotations
 
-import logging
 import random
 from pathlib import Path
 
@@ -21,8 +20,6 @@ from rlhflab.infra.distributed import resolve_device
 from rlhflab.infra.run_lock import refuse_held
 from rlhflab.models.build import finish_models, load_model, load_tokenizer_for, to_trained
 from rlhflab.trainers.supervised import RUN, SupervisedTrainer
-
-log = logging.getLogger(__name__)
 
 
 def builtin_sft_pairs(
