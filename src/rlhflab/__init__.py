@@ -2,8 +2,10 @@
 
 The Python API (docs/python-api.md) is importable from here: ``rlhflab.PPOTrainer``,
 ``GRPOTrainer``, ``RLOOTrainer``, ``DPOTrainer``, ``SFTTrainer``, ``RewardTrainer``, ``Config``
-and ``load_config``. They are imported on first use, so that ``import rlhflab`` (and the
-command line's start) stays cheap.
+and ``load_config``, and the errors a user can act on: ``RlhflabError``, the base of all of
+them, and ``ConfigError``, ``DataError``, ``ModelLoadError``, ``CheckpointError``,
+``RewardError`` and ``TrainingHalted``. They are imported on first use, so that ``import
+rlhflab`` (and the command line's start) stays cheap.
 """
 
 __version__ = "0.1.0"
@@ -18,6 +20,12 @@ _API = {
     "Config": "rlhflab.config",
     "ConfigError": "rlhflab.config",
     "load_config": "rlhflab.config",
+    "RlhflabError": "rlhflab.errors",
+    "DataError": "rlhflab.experience.rows",
+    "ModelLoadError": "rlhflab.models.prepare",
+    "CheckpointError": "rlhflab.infra.checkpoint",
+    "RewardError": "rlhflab.experience.rewards",
+    "TrainingHalted": "rlhflab.trainers.common",
 }
 
 __all__ = ["__version__", *_API]

@@ -18,66 +18,24 @@ drives is ``trainer.engine`` (the one the command runs).
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from pathlib import Path
 
 from rlhflab.app import inputs as I
+from rlhflab.app import python_rewards as PR
 from rlhflab.app import run_inputs as RI
-from rlhflab.config import Config, ConfigError, load_config, validate
-from rlhflab.config.base import to_dict
+from rlhflab.app.api_config import (
+    absolute_folder,
+    callback_list,
+    check_folder,
+    resolve_config,
+    validate,
+)
+from rlhflab.config import ConfigError
 from rlhflab.trainers.supervised import check_output_folder
 
 # callback(trainer, step, metrics) after every logged step; a true return stops the run there
 Callback = Callable[["Trainer", int, dict], object]
-
-
-def resolve_config(config, overrides, stage: str) -> Config:
-    """``config``: None (the stage's defaults), a YAML path, a dict of sections (laid over
-    the stage's defaults, as a file is) or a Config (used as it stands); ``overrides``: a
-    dict ``{"ppo.lr": 1e-5}`` or a list ``["ppo.lr=1e-5"]``. Not yet validated: the
-    trainer sets its inputs first."""
-    if isinstance(config, Config):
-        from rlhflab.config.base import build, merge_overrides
-
-        return build(Config, merge_overrides(to_dict(config), overrides))
-    if config is not None and not isinstance(config, (dict, str, os.PathLike)):
-        raise ConfigError(
-            f"config: expected a YAML path, a dict of sections or a Config, got "
-            f"{type(config).__name__}"
-        )
-    path = None if isinstance(config, dict) else config
-    base = config if isinstance(config, dict) else None
-    # the reward may come from the trainer's arguments: checked in full once they are in
-    return load_config(path, overrides, base, stage=stage, reward_given=True)
-
-
-def _callbacks(callbacks) -> list:
-    """``callbacks`` as a list of callables, or a ConfigError naming what is not one (now,
-    not after the first iteration)."""
-    if callbacks is None:
-        return []
-    if callable(callbacks) or isinstance(callbacks, (str, bytes)):
-        raise ConfigError(
-            f"callbacks: a list of callables, got {type(callbacks).__name__} (write callbacks=[fn])"
-        )
-    try:
-        out = list(callbacks)
-    except TypeError:
-        raise ConfigError(
-            f"callbacks: a list of callables, got {type(callbacks).__name__}"
-        ) from None
-    for i, cb in enumerate(out):
-        if not callable(cb):
-            raise ConfigError(f"callbacks[{i}]: {cb!r} is not callable")
-    return out
-
-
-def _check_folder(folder: str, field: str) -> None:
-    if not str(folder).strip():  # "" would be the current folder
-        raise ConfigError(f"{field}: empty; give a folder")
-    if Path(folder).exists() and not Path(folder).is_dir():
-        raise ConfigError(f"{field}: {folder} exists and is not a folder")
 
 
 class Trainer:
@@ -95,7 +53,7 @@ class Trainer:
                 f"string {overrides!r} (write [{overrides!r}])"
             )
         self.config = resolve_config(config, overrides, self.stage)
-        self.callbacks: list[Callback] = _callbacks(callbacks)
+        self.callbacks: list[Callback] = callback_list(callbacks)
         self.engine = None
 
     def _protected(self) -> tuple:
@@ -119,7 +77,8 @@ class Trainer:
         cfg = self.config
         if output_dir is not None:
             cfg.log.output_dir = str(output_dir)
-        _check_folder(cfg.log.output_dir, "log.output_dir")  # before inputs/ is written
+        check_folder(cfg.log.output_dir, "log.output_dir")  # before inputs/ is written
+        cfg.log.output_dir = absolute_folder(cfg.log.output_dir)
         inputs = RI.inputs_folder(Path(cfg.log.output_dir), self.resume)
         if model is not None:
             folder = I.model_folder(model, tokenizer, inputs / "policy", "model", self.resume)
@@ -149,15 +108,22 @@ class Trainer:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def save(self, out_dir, merge_lora: bool = True, force: bool = False) -> Path:
+    def save(self, out_dir, merge_lora: bool = True, force: bool = False, dtype=None) -> Path:
         """Write the trained model as a plain Hugging Face folder (LoRA merged into the
         weights, or kept as a PEFT adapter with ``merge_lora=False``); refuses a folder that
-        is not empty unless ``force``."""
+        is not empty unless ``force``. ``dtype``: 'fp32', 'bf16' or a torch dtype for the
+        saved weights (as ``rlhflab export --dtype``); None keeps them as trained (fp32)."""
         from rlhflab.models.export import save_policy
 
         kept = self._protected()  # never over the run itself or the model it started from
         return save_policy(
-            self.model, self.tokenizer, out_dir, merge_lora=merge_lora, force=force, protect=kept
+            self.model,
+            self.tokenizer,
+            out_dir,
+            merge_lora=merge_lora,
+            dtype=dtype,
+            force=force,
+            protect=kept,
         )
 
 
@@ -204,6 +170,9 @@ class PPOTrainer(Trainer):
                 "gold: the gold reward is measured by the monitor; set monitor.enabled"
             )
         gold_fn = I.gold_source(cfg, gold)
+        if resume:
+            configured = bool(cfg.reward.model or cfg.reward.ensemble or cfg.reward.functions)
+            PR.check_resumed_python_rewards(cfg.log.output_dir, rewards.extra, gold_fn, configured)
         validate(cfg, self.stage, reward_given=bool(rewards.extra))
         from rlhflab.trainers.ppo import PPOTrainer as Engine
 
@@ -215,7 +184,7 @@ class PPOTrainer(Trainer):
         # on_locked) — not when it is built: a start that is refused or never trains
         # must leave an earlier run's record (its resume refusal) as it was
         run_dir = Path(self.config.log.output_dir)
-        self.engine.on_locked = lambda: I.note_python_rewards(run_dir, *self._python)
+        self.engine.on_locked = lambda: PR.note_python_rewards(run_dir, *self._python)
         return {**self.engine.fit(resume), "output_dir": self.config.log.output_dir}
 
     @property
@@ -295,7 +264,8 @@ class _ModelOut(Trainer):
         if output_dir is not None:
             section.output_dir = str(output_dir)
         # refused before inputs/ (or a copy of a model object) is written into it
-        _check_folder(section.output_dir, f"{self.stage}.output_dir")
+        check_folder(section.output_dir, f"{self.stage}.output_dir")
+        section.output_dir = absolute_folder(section.output_dir)
         check_output_folder(self.config, self.stage, Path(section.output_dir))
         inputs = RI.inputs_folder(Path(section.output_dir) / "run", resume)
         if model is None:

@@ -142,7 +142,7 @@ def _load_to_resume(args, stage: str):
     """The command's config; where it is refused and ``--resume`` reads a run's own
     config.yaml that a Python caller's rewards left without any reward (they cannot be
     named in it), the refusal says that, not that the config lacks a reward."""
-    from rlhflab.app.inputs import refuse_resume_without_python_rewards
+    from rlhflab.app.python_rewards import refuse_resume_without_python_rewards
     from rlhflab.config import ConfigError, load_config
 
     try:
@@ -157,7 +157,7 @@ def cmd_ppo(args) -> int:
     """ppo, grpo and rloo: the command names the advantage estimator
     (ppo.advantage_estimator), one loop for all; grpo's and rloo's other defaults are the
     stage's (config.stages.STAGE_DEFAULTS)."""
-    from rlhflab.app.inputs import refuse_resume_without_python_rewards
+    from rlhflab.app.python_rewards import refuse_resume_without_python_rewards
     from rlhflab.trainers.ppo import train
 
     cfg = _load_to_resume(args, stage=args.command)

@@ -26,7 +26,7 @@ from pathlib import Path
 from rlhflab.app.run_inputs import inputs_folder
 from rlhflab.config import Config, ConfigError
 from rlhflab.experience.rewards import CallableReward, importable_spec
-from rlhflab.infra.files import share_like_umask, write_lines_atomic, write_text_atomic
+from rlhflab.infra.files import share_like_umask, write_lines_atomic
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +61,20 @@ def model_folder(model, tokenizer, folder: Path, what: str, reuse: bool) -> str:
 
     ``reuse``: a resumed run keeps the folder its first start wrote (the run began from
     those weights), whatever the object holds now."""
+    if tokenizer is not None and not hasattr(tokenizer, "save_pretrained"):
+        raise ConfigError(
+            f"{what}: the tokenizer passed must be a tokenizer object (with save_pretrained), "
+            f"got {type(tokenizer).__name__}; for a folder's, pass "
+            "AutoTokenizer.from_pretrained(folder)"
+        )
     if isinstance(model, (str, os.PathLike)):
-        if tokenizer is not None:
-            log.info(
-                "%s: tokenizer= is ignored for a folder; its own tokenizer files are read", what
+        if tokenizer is not None:  # warned, not logged at INFO: Python shows no INFO
+            log.warning(
+                "%s: the tokenizer passed is not used with a model folder (%s): the folder's "
+                "own tokenizer files are read; save yours into the folder, or pass the model "
+                "as an object",
+                what,
+                model,
             )
         return str(model)
     if not is_module(model) or not hasattr(model, "save_pretrained"):
@@ -87,6 +97,8 @@ def model_folder(model, tokenizer, folder: Path, what: str, reuse: bool) -> str:
     wrong = vocab_overflow(model, tokenizer, ("the tokenizer passed", "the model object"))
     if wrong:  # as loading a folder refuses it, but naming the objects passed
         raise ConfigError(f"{what}: {wrong}")
+    if what == "reward":
+        _refuse_fresh_head(model)
     if reuse and (folder / "config.json").is_file():
         log.info("%s: resuming; keeping %s, written when the run started", what, folder)
         return str(folder)
@@ -98,6 +110,25 @@ def model_folder(model, tokenizer, folder: Path, what: str, reuse: bool) -> str:
     _atomic_dir(folder, write)
     log.info("%s: model object written to %s (loaded from there as a folder)", what, folder)
     return str(folder)
+
+
+def _refuse_fresh_head(model) -> None:
+    """A reward-model object whose ``score`` head was initialised at load: a sequence
+    classifier loaded from a checkpoint of another class (``config.architectures`` names the
+    checkpoint's, e.g. ``LlamaForCausalLM``). Written to a folder its random head would look
+    trained, and it would score at random — as a causal LM folder given as the reward model
+    is refused (``untrained_head_message``). A model built from a config (architectures
+    unset) is left alone: everything in it is as fresh as its head, by the caller's choice."""
+    loaded_as = getattr(getattr(model, "config", None), "architectures", None) or []
+    mine = type(model).__name__
+    if loaded_as and mine not in loaded_as and mine.endswith("ForSequenceClassification"):
+        if not any(a.endswith("ForSequenceClassification") for a in loaded_as):
+            raise ConfigError(
+                f"reward: the model object is a {mine} loaded from a {loaded_as[0]} "
+                "checkpoint: its score head was freshly initialised, so it would score at "
+                "random; train the head first (rlhflab.RewardTrainer with this model, or "
+                "rlhflab rm) and pass the trained reward model"
+            )
 
 
 def _plain(value):
@@ -298,41 +329,3 @@ def gold_source(cfg: Config, gold) -> CallableReward | None:
         cfg.monitor.gold = spec
         return None
     return CallableReward(gold)
-
-
-PYTHON_REWARDS = "python_rewards.json"
-
-
-def note_python_rewards(run_dir: Path, extra, gold) -> None:
-    """Record in ``RUN/inputs/`` the rewards that only Python could pass (their names), so
-    that a resume from the command line, which cannot bring them, is refused instead of
-    continuing on another objective; removed when there are none."""
-    path = run_dir / "inputs" / PYTHON_REWARDS
-    names = [source.name for source, _ in extra] + ([f"gold {gold.name}"] if gold else [])
-    if not names:
-        path.unlink(missing_ok=True)
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # and their weights, which no config.yaml holds: the report shows a part's weight (a
-    # number weights the source's one part, named after it; a dict weights parts by name;
-    # the parts of a source that returns a dict under one number stay unknown here)
-    weights: dict[str, float] = {}
-    for source, w in extra:
-        if isinstance(w, dict):
-            weights.update({str(k): float(v) for k, v in w.items()})
-        elif isinstance(w, (int, float)):
-            weights[source.name] = float(w)
-    write_text_atomic(path, json.dumps({"rewards": names, "weights": weights}))
-
-
-def refuse_resume_without_python_rewards(run_dir: str | Path) -> None:
-    """``--resume`` from the command line of a run that a Python caller gave rewards no
-    config can name: refused, naming them."""
-    path = Path(run_dir) / "inputs" / PYTHON_REWARDS
-    if path.is_file():
-        names = json.loads(path.read_text()).get("rewards", [])
-        raise ConfigError(
-            f"--resume: {run_dir} was trained with Python rewards its config.yaml cannot name "
-            f"({', '.join(names)}); resume it from Python, passing them again "
-            "(rlhflab.PPOTrainer(..., resume=True))"
-        )

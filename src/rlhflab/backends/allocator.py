@@ -32,12 +32,14 @@ import os
 import sys
 from pathlib import Path
 
+from rlhflab.errors import RlhflabError
+
 CHOICES = ("auto", "mimalloc", "system")
 ENV_CHOICE = "RLHFLAB_ALLOCATOR"  # the default of ``rlhflab --allocator``
 _STARTED = "RLHFLAB_ALLOCATOR_STARTED"  # set in the re-executed process: never loop
 
 
-class AllocatorError(RuntimeError):
+class AllocatorError(RlhflabError, RuntimeError):
     """An allocator was asked for that this machine cannot provide (message says why)."""
 
 

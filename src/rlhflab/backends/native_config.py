@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from rlhflab.errors import RlhflabError
+
 SUPPORTED_MODEL_TYPES = ("llama",)
 
 
-class NativeConfigError(ValueError):
+class NativeConfigError(RlhflabError, ValueError):
     """A checkpoint the native runtime does not implement (the message names the field)."""
 
 

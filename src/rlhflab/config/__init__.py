@@ -16,6 +16,7 @@ from rlhflab.config.refresh_checks import check_refresh
 from rlhflab.config.run import DataConfig, DistConfig, LogConfig, MonitorConfig
 from rlhflab.config.stages import (
     STAGE_DEFAULTS,
+    STAGES,
     DPOConfig,
     GRPOConfig,
     RMConfig,
@@ -160,7 +161,9 @@ def validate(cfg: Config, stage: str = "ppo", reward_given: bool = False) -> Con
     if stage in CRITIC_FREE_ESTIMATORS and estimator != stage:
         raise ConfigError(
             f"ppo.advantage_estimator: rlhflab {stage} runs the {stage!r} estimator, not "
-            f"{estimator!r}; run rlhflab {estimator if estimator != 'gae' else 'ppo'} instead"
+            f"{estimator!r}; run rlhflab {estimator if estimator != 'gae' else 'ppo'} instead "
+            f"(from Python: a Config() carries PPO's defaults; load_config(stage={stage!r}) "
+            f"gives {stage}'s)"
         )
     if estimator not in CRITIC_FREE_ESTIMATORS and cfg.model.value_model == "none":
         raise ConfigError(
@@ -326,6 +329,8 @@ def load_config(
     defaults (:data:`rlhflab.config.stages.STAGE_DEFAULTS`), then ``base``, then the file at
     ``path``, then the dotted ``overrides``; each wins over the ones before it.
     ``reward_given``: see :func:`validate`."""
+    if stage not in STAGES:  # else a typo gets the PPO defaults and a later, odder error
+        raise ConfigError(f"stage: {stage!r} is not a stage; one of {', '.join(STAGES)}")
     base = with_stage_defaults(stage, base)
     return validate(configbase.load(Config, path, overrides, base), stage, reward_given)
 

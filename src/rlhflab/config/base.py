@@ -17,10 +17,12 @@ from typing import Any
 
 import yaml
 
+from rlhflab.errors import RlhflabError
+
 _YAML11_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)$")
 
 
-class ConfigError(ValueError):
+class ConfigError(RlhflabError, ValueError):
     """An invalid configuration; the message names the offending field."""
 
 

@@ -165,6 +165,8 @@ CRITIC_FREE_BASE = {
     "model": {"value_model": "none"},
     "ppo": {"kl_placement": "loss", "kl_estimator": "k3", "kl_coef": 0.04},
 }
+# the commands that train, each a stage a config is built for (load_config's ``stage``)
+STAGES = ("ppo", "grpo", "rloo", "dpo", "sft", "rm")
 STAGE_DEFAULTS: dict[str, dict] = {
     "grpo": {
         "model": {"value_model": "none"},

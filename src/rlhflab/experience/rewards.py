@@ -17,6 +17,7 @@ from typing import Protocol
 
 import torch
 
+from rlhflab.errors import RlhflabError
 from rlhflab.models import (
     Offloaded,
     encode_prompt,
@@ -28,7 +29,7 @@ from rlhflab.models import (
 )
 
 
-class RewardError(RuntimeError):
+class RewardError(RlhflabError, RuntimeError):
     """A reward source failed or returned something unusable; the message names it."""
 
 

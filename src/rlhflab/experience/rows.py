@@ -21,8 +21,10 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlhflab.errors import RlhflabError
 
-class DataError(ValueError):
+
+class DataError(RlhflabError, ValueError):
     """Bad input data; the message names the file or dataset, the row and the field."""
 
 

@@ -9,10 +9,9 @@ controller, RNG states, data position, step): plain tensors and numbers only, lo
 ``weights_only=True`` so nothing arbitrary is ever unpickled. The optimisers sit in their
 own file so that a sharded (FSDP) resume reads them on rank 0 alone and the other ranks
 read only the small ``state.pt`` (``trainers/runstate.py``); checkpoints written before
-2026-12-05 hold them inside ``state.pt``, and load as before.
-A checkpoint is written under ``step-N.tmp`` and renamed when complete, so a run killed at
-any moment leaves only complete checkpoints behind; one damaged all the same is skipped on
-resume in favour of the one before (:func:`latest_checkpoint`).
+2026-12-05 hold them inside ``state.pt``, and load as before. A checkpoint is written under
+``step-N.tmp`` and renamed when complete, so a run killed at any moment leaves only complete
+checkpoints behind; one damaged all the same is skipped on resume for the one before it.
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rlhflab.backends.native_models import iter_safetensors
+from rlhflab.errors import RlhflabError
 from rlhflab.infra.files import share_like_umask, writing
 from rlhflab.models import PolicyWithValueHead
 from rlhflab.models.prepare import restore_dropout
@@ -133,7 +133,7 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-class CheckpointError(ValueError):
+class CheckpointError(RlhflabError, ValueError):
     """No checkpoint of a run can be resumed from; the message names each and why."""
 
 

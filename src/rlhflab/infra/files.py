@@ -16,6 +16,8 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
+from rlhflab.errors import RlhflabError
+
 
 def write_text_atomic(path: str | Path, text: str) -> Path:
     """Replace ``path`` with ``text`` (UTF-8) in one rename; its folder must exist. On any
@@ -43,7 +45,7 @@ def write_lines_atomic(path: str | Path, lines: Iterable[str]) -> Path:
     return path
 
 
-class WriteFailed(OSError):
+class WriteFailed(RlhflabError, OSError):
     """Files rlhflab writes could not be written (a full disk, most often); the message
     names where. Raised by :func:`writing` in place of the writer's own error, which for
     torch's and safetensors' writers names no file."""

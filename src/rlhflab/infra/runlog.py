@@ -15,6 +15,8 @@ import math
 import os
 from pathlib import Path
 
+from rlhflab.errors import RlhflabError
+
 log = logging.getLogger(__name__)
 
 
@@ -106,7 +108,7 @@ class RunLog:
             self.wandb.finish()
 
 
-class RunLogError(ValueError):
+class RunLogError(RlhflabError, ValueError):
     """A run-directory file damaged other than by a crash; the message names file and line."""
 
 

@@ -30,8 +30,6 @@ from rlhflab.models.heads import (
 )
 from rlhflab.models.loading import (
     RUNTIMES,
-    enable_gradient_checkpointing,
-    is_checkpointing,
     load_causal_lm,
     load_lora_adapter,
     load_sequence_classifier,
@@ -60,9 +58,11 @@ from rlhflab.models.prepare import (
     ModelLoadError,
     check_weight_files,
     disable_dropout,
+    enable_gradient_checkpointing,
     first_line,
     hf_config,
     hf_load,
+    is_checkpointing,
     quiet_transformers,
     require_fp32_trainable,
     zero_dropout_fields,

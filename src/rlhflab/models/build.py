@@ -19,14 +19,17 @@ from rlhflab.models.frozen import PRECISION_DTYPES
 from rlhflab.models.heads import critic_from_causal_lm
 from rlhflab.models.hf_attention import set_transformers_cpu_attention_fp32
 from rlhflab.models.loading import (
-    enable_gradient_checkpointing,
     load_causal_lm,
     load_sequence_classifier,
     load_tokenizer,
     resolve_path,
 )
 from rlhflab.models.precision import autocast_dtype
-from rlhflab.models.prepare import refuse_nonfinite_weights, require_fp32_trainable
+from rlhflab.models.prepare import (
+    enable_gradient_checkpointing,
+    refuse_nonfinite_weights,
+    require_fp32_trainable,
+)
 
 KINDS = ("causal", "classifier", "critic")
 

@@ -70,6 +70,12 @@ def resolve_path(spec: str, field: str = "model") -> Path:
     # absolute: the name transformers and PEFT record (a LoRA adapter's base) must find the
     # folder from any directory
     path = Path(spec).expanduser().absolute()
+    if path.is_file():  # e.g. its config.json: "(no config.json)" would mislead
+        where = f"{path.parent}, the folder that holds it" if path.name == "config.json" else None
+        raise ModelLoadError(
+            f"{field}: {spec!r} is a file, not a model folder"
+            + (f"; give {where}" if where else " (a folder holding config.json and the weights)")
+        )
     if not (path / "config.json").exists():
         raise ModelLoadError(
             f"{field}: {spec!r} is not a local Hugging Face model folder (no config.json); "
@@ -357,29 +363,6 @@ def same_tokenizer(a, b) -> bool:
         and a.pad_token_id == b.pad_token_id
         and leading_special_ids(a) == leading_special_ids(b)
     )
-
-
-def enable_gradient_checkpointing(model: nn.Module) -> nn.Module:
-    """Recompute decoder-layer activations in backward (transformers' own mechanism, the
-    non-reentrant torch.utils.checkpoint, which needs no input that requires grad, so LoRA
-    works too). It acts only in train mode: sampling (eval mode, KV cache) is unaffected."""
-    if not getattr(model, "supports_gradient_checkpointing", False):
-        raise ModelLoadError(
-            f"model.gradient_checkpointing: {type(model).__name__} does not support it"
-        )
-    # transformers >= 5.x renamed it (the old name warns); older releases only have the old
-    enable = getattr(model, "activation_checkpointing_enable", None)
-    if enable is not None:
-        enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model
-
-
-def is_checkpointing(model: nn.Module) -> bool:
-    """Whether activation (gradient) checkpointing is on, under either transformers name."""
-    flag = getattr(type(model), "is_activation_checkpointing", None)
-    return bool(model.is_activation_checkpointing if flag else model.is_gradient_checkpointing)
 
 
 def load_lora_adapter(lm: nn.Module, folder: str | Path) -> nn.Module:

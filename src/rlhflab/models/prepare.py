@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from rlhflab.errors import RlhflabError
+
 
 def quiet_transformers() -> None:
     """Silence transformers' per-load progress bars; rlhflab shows its own per stage."""
@@ -19,7 +21,7 @@ def quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
-class ModelLoadError(ValueError):
+class ModelLoadError(RlhflabError, ValueError):
     """A model or tokenizer folder that cannot be used as configured."""
 
 
@@ -235,3 +237,26 @@ def _copy_dropout(original: dict, saved: dict) -> bool:
                 saved[key] = value
                 changed = True
     return changed
+
+
+def enable_gradient_checkpointing(model: nn.Module) -> nn.Module:
+    """Recompute decoder-layer activations in backward (transformers' own mechanism, the
+    non-reentrant torch.utils.checkpoint, which needs no input that requires grad, so LoRA
+    works too). It acts only in train mode: sampling (eval mode, KV cache) is unaffected."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ModelLoadError(
+            f"model.gradient_checkpointing: {type(model).__name__} does not support it"
+        )
+    # transformers >= 5.x renamed it (the old name warns); older releases only have the old
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def is_checkpointing(model: nn.Module) -> bool:
+    """Whether activation (gradient) checkpointing is on, under either transformers name."""
+    flag = getattr(type(model), "is_activation_checkpointing", None)
+    return bool(model.is_activation_checkpointing if flag else model.is_gradient_checkpointing)

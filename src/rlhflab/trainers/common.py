@@ -17,6 +17,7 @@ from rlhflab.backends.loss_scale import LossScaler
 from rlhflab.backends.optim import FusedAdamW, LambdaSchedule
 from rlhflab.builtin import tasks
 from rlhflab.config import Config
+from rlhflab.errors import RlhflabError
 from rlhflab.experience.data import PromptStream, load_prompts
 from rlhflab.infra import checkpoint as C
 from rlhflab.infra.files import share_like_umask, writing
@@ -24,7 +25,7 @@ from rlhflab.infra.files import share_like_umask, writing
 log = logging.getLogger(__name__)
 
 
-class TrainingHalted(RuntimeError):
+class TrainingHalted(RlhflabError, RuntimeError):
     """The run stopped on purpose: a loss, gradient or reward that is not finite (raised by
     :meth:`Halt.error` in every trainer). A user error: the command prints the message, one
     line, and exits 2; the last good state is on disk as the message says."""
