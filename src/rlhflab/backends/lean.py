@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rlhflab.backends import cpu_blas, weight_cast
+from rlhflab.backends.input_cast import projection_inputs
 
 # transformers classes whose forward is exactly the Llama RMSNorm / SwiGLU MLP (checked
 # against transformers 5.24); any other class is left alone rather than guessed at.
@@ -154,9 +155,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _RMSNormFn.apply(x, weight, eps)
 
 
-def swiglu_mlp(x: torch.Tensor, gate_proj, up_proj, down_proj) -> torch.Tensor:
-    """down_proj(SiLU(gate_proj(x)) · up_proj(x)) for x (..., H), keeping gate and up."""
-    gate, up = gate_proj(x), up_proj(x)
+def swiglu_mlp(x: torch.Tensor, gate_proj, up_proj, down_proj, cast_once=True) -> torch.Tensor:
+    """down_proj(SiLU(gate_proj(x)) · up_proj(x)) for x (..., H), keeping gate and up;
+    ``cast_once``: see :func:`input_cast.projection_inputs`."""
+    xg, xu = projection_inputs(x, (gate_proj, up_proj), cast_once)
+    gate, up = gate_proj(xg), up_proj(xu)
     if type(down_proj) in (nn.Linear, cpu_blas.NumpyBlasLinear):
         numpy_blas = type(down_proj) is cpu_blas.NumpyBlasLinear
         with torch.no_grad():  # the copy itself; its gradient is the Function's grad_w
@@ -184,14 +187,17 @@ class LeanSwiGLU(nn.Module):
     """Drop-in for a Llama-family MLP: the same three projections under the same names, so
     state-dict keys, LoRA target names and saved checkpoints do not change."""
 
+    cast_once = True  # model.cast_once: backends/input_cast.py
+
     def __init__(self, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module):
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled():
-            return swiglu_mlp(x, self.gate_proj, self.up_proj, self.down_proj)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return swiglu_mlp(x, self.gate_proj, self.up_proj, self.down_proj, self.cast_once)
+        xg, xu = projection_inputs(x, (self.gate_proj, self.up_proj), self.cast_once)
+        return self.down_proj(F.silu(self.gate_proj(xg)) * self.up_proj(xu))
 
 
 def make_activations_lean(model: nn.Module) -> int:

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rlhflab.backends.input_cast import projection_inputs
 from rlhflab.backends.kv_cache import KVCache
 from rlhflab.backends.lean import rms_norm_plain
 from rlhflab.backends.native_config import NativeConfig
@@ -122,6 +123,7 @@ class NativeAttention(nn.Module):
     of after each multiply. The output is cast back for o_proj (autocast would cast it)."""
 
     fp32_on_cpu = True
+    cast_once = True  # model.cast_once: backends/input_cast.py
 
     def __init__(self, cfg: NativeConfig, layer: int):
         super().__init__()
@@ -139,10 +141,11 @@ class NativeAttention(nn.Module):
         positions only; keys and values still cover all L."""
         B, L, _ = x.shape
         Lq = keep if 0 < keep < L else L
-        xq = x[:, L - Lq :] if Lq < L else x
+        xq, xk, xv = projection_inputs(x, (self.q_proj, self.k_proj, self.v_proj), self.cast_once)
+        xq = xq[:, L - Lq :] if Lq < L else xq
         q = self.q_proj(xq).view(B, Lq, self.heads, -1).transpose(1, 2)
-        k = self.k_proj(x).view(B, L, self.kv_heads, -1).transpose(1, 2)
-        v = self.v_proj(x).view(B, L, self.kv_heads, -1).transpose(1, 2)
+        k = self.k_proj(xk).view(B, L, self.kv_heads, -1).transpose(1, 2)
+        v = self.v_proj(xv).view(B, L, self.kv_heads, -1).transpose(1, 2)
         narrow = q.dtype
         wide = self.fp32_on_cpu and q.device.type == "cpu" and narrow in _HALF
         if wide:  # see the class docstring: rotary, cache and attention in fp32

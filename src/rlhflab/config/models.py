@@ -146,6 +146,17 @@ class ModelConfig:
         "rlhflab/backends/weight_cast.py). Not under torch.distributed (FSDP re-gathers "
         "weights into storage it cannot track). Ignored for fp32.",
     )
+    cast_once: bool = setting(
+        True,
+        "With a 16-bit compute_dtype, a decoder layer casts its normalised input to 16 bits "
+        "once for its q/k/v projections and once for gate/up, where autocast casts it in "
+        "each projection (five casts of a (tokens, hidden) tensor a layer in every "
+        "forward). Each projection still sends its gradient back in fp32 through its own "
+        "node, so forward and backward are the same arithmetic bit for bit "
+        "(rlhflab/backends/input_cast.py). Plain Linear projections of the native "
+        "runtime's attention and of the lean SwiGLU MLP (lean_activations); LoRA, int8 and "
+        "numpy-BLAS layers take their input as before. Ignored for fp32.",
+    )
     cpu_attention_fp32: bool = setting(
         True,
         "On a CPU, when a model's q/k/v projections come out in 16 bits (compute_dtype "

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from rlhflab.backends.cpu_blas import apply_cpu_matmul
+from rlhflab.backends.input_cast import set_cast_once
 from rlhflab.backends.lean import make_activations_lean
 from rlhflab.backends.native import set_cpu_attention_fp32
 from rlhflab.backends.weight_cast import keep_weight_casts
@@ -92,7 +93,10 @@ def load_model(
     refuse_nonfinite_weights(model, path)
     # every model a command loads, trained or frozen (eval, compare, demo included)
     set_attention_fp32_on_cpu(options.cpu_attention_fp32, [model])
-    return prepare_trained(model, options) if trained else model
+    if trained:
+        return prepare_trained(model, options)
+    set_cast_once(options.cast_once, [model])
+    return model
 
 
 def set_attention_fp32_on_cpu(on: bool, models) -> None:
@@ -106,9 +110,10 @@ def set_attention_fp32_on_cpu(on: bool, models) -> None:
 def prepare_trained(model: nn.Module, options: ModelConfig) -> nn.Module:
     """What a model about to be trained gets, whether it was loaded or copied from another
     (the critic made from the reward model): lean activations, before LoRA and any reference
-    copy so that every copy has the same modules."""
+    copy so that every copy has the same modules; ``model.cast_once`` on its modules."""
     if options.lean_activations:
         make_activations_lean(model)
+    set_cast_once(options.cast_once, [model])
     return model
 
 
