@@ -241,9 +241,12 @@ def test_adaptive_kl_controller_follows_ziegler_update_and_round_trips():
     assert ctl.value == pytest.approx(before * (1 - 0.1 * 64 / 10_000))
     ctl.update(current_kl=0.0, n_steps=10_000)  # error clipped to −0.2
     assert ctl.value < before
-    clone = A.AdaptiveKLController(1.0, 1.0, 1.0)
+    # a resume restores β; target and horizon are the config's (which it may change)
+    clone = A.AdaptiveKLController(1.0, target=6.0, horizon=20_000)
     clone.load_state_dict(ctl.state_dict())
-    assert clone.state_dict() == ctl.state_dict()
+    assert clone.state_dict() == {**ctl.state_dict(), "horizon": 20_000}
+    clone.update(float("nan"), 64)  # a skipped batch's KL leaves β as it was
+    assert clone.value == ctl.value
     fixed = A.FixedKLController(0.05)
     fixed.update(100.0, 64)
     assert fixed.value == 0.05

@@ -76,7 +76,8 @@ def test_a_reward_model_object_with_a_fresh_head_is_refused_as_its_folder_is(tmp
             output_dir=tmp_path / "r",
         )
     assert not (tmp_path / "r" / "inputs" / "reward").exists()
-    # one whose head was trained (saved as a classifier, loaded back) is taken
+    # a classifier's own checkpoint is taken (whether its head was trained is not known
+    # here: saving it as a classifier is what says so, as setting architectures would)
     fresh.save_pretrained(tmp_path / "rm")
     trained = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm")
     rlhflab.PPOTrainer(
@@ -184,3 +185,28 @@ def test_save_writes_the_dtype_asked_for(tmp_path):
     out = trainer.save(tmp_path / "bf16", dtype="bf16")
     weights = load_file(out / "model.safetensors")
     assert {t.dtype for t in weights.values()} == {torch.bfloat16}
+
+
+def test_a_functions_code_digest_is_the_same_in_every_process_and_sees_nested_code():
+    import subprocess
+    import sys
+
+    script = (
+        "from rlhflab.app.python_rewards import code_digest\n"
+        "def r(p, a): return [float(x in {'yes', 'no', 'maybe', 'ok'}) for x in a]\n"
+        "print(code_digest(r))"
+    )
+    digests = {
+        subprocess.run(
+            [sys.executable, "-c", script],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for seed in ("1", "2", "3")
+    }
+    assert len(digests) == 1  # a set literal's order follows the hash seed; its digest not
+    twice = PR.code_digest(lambda p, a: [len(x) * 2.0 for x in a])
+    thrice = PR.code_digest(lambda p, a: [len(x) * 3.0 for x in a])
+    assert twice != thrice  # a constant inside the comprehension's own code

@@ -211,6 +211,32 @@ def test_stop_response_checkpoints_and_names_the_signal(tmp_path):
     assert (tmp_path / "run" / "checkpoints" / "step-1").exists()
 
 
+def test_a_monitor_stop_exits_3_from_the_command(tmp_path, capsys):
+    # a guard's stop is no finished run: exit 0 let `rlhflab ppo ... && rlhflab export`
+    # export a policy stopped for hacking
+    import yaml
+
+    from rlhflab.app.cli import main
+    from rlhflab.config.base import to_dict
+
+    cfg = tiny_cfg(tmp_path, "monitor.response=stop", "monitor.entropy_ratio=10")
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(to_dict(cfg)))
+    assert main(["ppo", "--config", str(tmp_path / "c.yaml")]) == 3
+    assert "stopped by the monitor after 1 iteration, output in" in capsys.readouterr().out
+    assert (
+        main(
+            [
+                "ppo",
+                "--config",
+                str(tmp_path / "c.yaml"),
+                "monitor.response=warn",
+                "ppo.iterations=1",
+            ]
+        )
+        == 0
+    )
+
+
 def test_report_is_self_contained_html_with_curves_alerts_and_samples(tmp_path):
     PPOTrainer(tiny_cfg(tmp_path, "monitor.entropy_ratio=10")).fit()
     path = build_report(tmp_path / "run")

@@ -211,7 +211,9 @@ def test_a_pruned_trial_stops_early_with_a_checkpoint_and_counts(tmp_path, monke
         def prune(self, study, trial):
             return trial.number > 0 and max(trial.intermediate_values) >= 2
 
-    monkeypatch.setattr(optuna.pruners, "MedianPruner", lambda **kw: PruneLaterTrials())
+    from rlhflab.app import sweep_study
+
+    monkeypatch.setattr(sweep_study, "running_median_pruner", lambda *a: PruneLaterTrials())
     config = write_config(tmp_path)
     out = tmp_path / "sw"
     args = [
@@ -352,3 +354,60 @@ def test_a_preset_sweep_into_another_studys_folder_is_refused_before_training(tm
     assert main(["sweep", "--preset", "quick", "--trials", "1", "--out", str(out)]) == 2
     assert "holds study 'sw'" in capsys.readouterr().err
     assert sorted(p.name for p in out.iterdir()) == ["study.json"]  # no base/ trained
+
+
+def test_the_pruner_compares_a_trials_value_now_not_its_best_so_far():
+    # Optuna's MedianPruner compares a trial's best value so far: every trial's first
+    # iteration (the reference policy) is the same, so one that fell from there never was
+    from rlhflab.app.sweep_study import running_median_pruner
+
+    def study_with(pruner):
+        study = optuna.create_study(direction="maximize", pruner=pruner)
+        for values in ([1.0, 0.5, 0.6], [1.0, 0.4, 0.5], [1.0, 0.3, 0.7], [1.0, float("nan")]):
+            trial = study.ask()
+            for step, v in enumerate(values):
+                trial.report(v, step)
+            study.tell(trial, values[-1] if values[-1] == values[-1] else 0.0)
+        return study
+
+    def prunes(study, values) -> list[bool]:
+        trial, said = study.ask(), []
+        for step, v in enumerate(values):
+            trial.report(v, step)
+            said.append(trial.should_prune())
+        return said
+
+    ours = study_with(running_median_pruner(optuna, 2, 1))
+    # step 0 is in the warm-up; at step 1 it fell to 0.3, under the median (0.4, the NaN
+    # of the fourth trial left out), though its best so far (1.0) is above it
+    assert prunes(ours, [1.0, 0.3]) == [False, True]
+    assert prunes(ours, [1.0, 0.45]) == [False, False]
+    # Optuna's own MedianPruner, on the same values, keeps the falling trial
+    theirs = study_with(optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=1))
+    assert prunes(theirs, [1.0, 0.3]) == [False, False]
+
+
+def test_a_trial_whose_drawn_model_fails_to_load_fails_alone(tmp_path, capsys, caplog):
+    # a ModelLoadError (a preset that does not exist) ended the whole study at its first
+    # draw with Optuna's traceback; now each such trial fails in one line and another is
+    # drawn, until as many fail in a row as the sweep's minimum (3)
+    config = write_config(tmp_path, space={"model.policy": {"choices": ["preset:nope"]}})
+    out = tmp_path / "sw"
+    with caplog.at_level("WARNING"):
+        code = main(["sweep", "--config", str(config), "--trials", "1", "--out", str(out)])
+    said = caplog.text + capsys.readouterr().err
+    assert code == 2 and "3 failed trials in a row" in said, said
+    assert "trial 0 failed: model.policy: unknown preset 'nope'" in said
+    assert "trial 2 failed" in said and "Traceback" not in said
+    study = optuna.load_study(study_name="sw", storage=f"sqlite:///{out / 'study.db'}")
+    assert [t.state.name for t in study.trials] == ["FAIL"] * 3
+
+
+def test_seed_with_a_config_and_an_out_that_is_a_file_are_refused(tmp_path, capsys):
+    config = write_config(tmp_path)
+    args = ["sweep", "--config", str(config), "--trials", "1", "--out", str(tmp_path / "sw")]
+    assert main([*args, "--seed", "3"]) == 2
+    assert "--seed: the preset's seed (with --preset); with --config set" in capsys.readouterr().err
+    (tmp_path / "afile").write_text("x")
+    assert main([*args[:-1], str(tmp_path / "afile")]) == 2
+    assert "afile exists and is not a folder" in capsys.readouterr().err

@@ -184,6 +184,8 @@ class PPOTrainer(Trainer):
         # on_locked) — not when it is built: a start that is refused or never trains
         # must leave an earlier run's record (its resume refusal) as it was
         run_dir = Path(self.config.log.output_dir)
+        if resume and not self.resume:  # train(resume=True) of a trainer built to start
+            PR.check_resumed_python_rewards(run_dir, *self._python, configured=True)
         self.engine.on_locked = lambda: PR.note_python_rewards(run_dir, *self._python)
         return {**self.engine.fit(resume), "output_dir": self.config.log.output_dir}
 

@@ -28,8 +28,11 @@ def _config_args(p: argparse.ArgumentParser) -> None:
 # Long (about 85 lines) because it declares every subcommand and its flags in one place,
 # a few lines each; the commands themselves are the cmd_* functions below.
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="rlhflab", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(  # no abbreviations: --resum is a typo, not --resume
+        prog="rlhflab",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
     )
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     parser.add_argument(
@@ -116,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_sweep(sub)
     # export, generate, eval: the commands around training (app/around.py)
     add_parsers(sub, _config_args)
+    for command in sub.choices.values():  # argparse checks it when parsing: each parser's own
+        command.allow_abbrev = False
     return parser
 
 
@@ -153,6 +158,9 @@ def _load_to_resume(args, stage: str):
         raise
 
 
+MONITOR_STOP = 3  # the exit status of a run that monitor.response=stop stopped
+
+
 def cmd_ppo(args) -> int:
     """ppo, grpo and rloo: the command names the advantage estimator
     (ppo.advantage_estimator), one loop for all; grpo's and rloo's other defaults are the
@@ -164,10 +172,13 @@ def cmd_ppo(args) -> int:
     if args.resume:
         refuse_resume_without_python_rewards(cfg.log.output_dir)
     summary = train(cfg, resume=args.resume)
+    n, stopped = summary["iterations"], summary.get("stop_reason")
     if _rank() == 0:  # under torchrun, said once
-        n = summary["iterations"]
-        print(f"done: {n} iteration{'s' * (n != 1)}, output in {cfg.log.output_dir}")
-    return 0
+        what = f"stopped by the monitor after {n}" if stopped else f"done: {n}"
+        print(f"{what} iteration{'s' * (n != 1)}, output in {cfg.log.output_dir}")
+    # a guard's stop is no finished run: `rlhflab ppo ... && rlhflab export ...` must not
+    # export a policy stopped for hacking (outside testing, stop 46)
+    return MONITOR_STOP if stopped else 0
 
 
 def cmd_dpo(args) -> int:

@@ -21,6 +21,7 @@ from pathlib import Path
 from rlhflab.app.tables import COMPARE_COLUMNS, cell
 from rlhflab.config import Config, ConfigError, validate
 from rlhflab.config import base as configbase
+from rlhflab.infra.child_process import ends_with_parent
 from rlhflab.infra.files import write_text_atomic
 from rlhflab.infra.run_lock import run_lock
 
@@ -174,7 +175,7 @@ def _compare(run: Path, cfg, preset, seed, out_root, extra, progress, eval_promp
             json.dumps(configbase.to_dict(configs[method])),
             str(eval_prompts or PRESETS[preset]["eval_prompts"]),
         ]
-        done = subprocess.run(args, capture_output=True, text=True)
+        done = subprocess.run(args, capture_output=True, text=True, preexec_fn=ends_with_parent())
         said = done.stderr.strip().splitlines()[-1:] if done.stderr.strip() else []
         if done.returncode == 2 and said and said[0].startswith("error: "):
             # a user error (a reward function that raised, a halt): one line, as the

@@ -127,7 +127,8 @@ def _refuse_fresh_head(model) -> None:
                 f"reward: the model object is a {mine} loaded from a {loaded_as[0]} "
                 "checkpoint: its score head was freshly initialised, so it would score at "
                 "random; train the head first (rlhflab.RewardTrainer with this model, or "
-                "rlhflab rm) and pass the trained reward model"
+                "rlhflab rm) and pass the trained reward model (a head you trained yourself: "
+                f"set model.config.architectures = [{mine!r}] to say so)"
             )
 
 

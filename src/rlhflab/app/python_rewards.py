@@ -44,10 +44,12 @@ def note_python_rewards(run_dir: Path, extra, gold) -> None:
 
 
 def code_digest(fn) -> str | None:
-    """A digest of a function's code — its bytecode, constants and names, not the values a
-    closure captured — to tell on a resume whether the function passed again is the one the
-    run began with (a lambda is named ``<lambda>`` whatever it computes); None for a
-    callable without code of its own (a builtin, a C function)."""
+    """A digest of a function's code — its bytecode, names and constants, nested code
+    (comprehensions, inner functions) included, not the values a closure captured — to tell
+    on a resume whether the function passed again is the one the run began with (a lambda is
+    named ``<lambda>`` whatever it computes). The same in every process: a set literal's
+    constant is hashed in sorted order, not in its iteration order, which PYTHONHASHSEED
+    changes. None for a callable without code of its own (a builtin, a C function)."""
     import hashlib
 
     target = getattr(fn, "func", fn)  # functools.partial
@@ -56,10 +58,22 @@ def code_digest(fn) -> str | None:
         code = getattr(type(target).__dict__.get("__call__"), "__code__", None)
     if code is None:
         return None
-    parts = [code.co_code, repr(code.co_names).encode()]
-    parts += [repr(c).encode() for c in code.co_consts if not hasattr(c, "co_code")]
-    parts += [c.co_code for c in code.co_consts if hasattr(c, "co_code")]  # nested code
-    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+    digest = hashlib.sha256()
+    _digest_code(code, digest)
+    return digest.hexdigest()[:16]
+
+
+def _digest_code(code, digest) -> None:
+    digest.update(code.co_code)
+    digest.update(repr(code.co_names).encode())
+    for const in code.co_consts:
+        if hasattr(const, "co_code"):
+            _digest_code(const, digest)
+        elif isinstance(const, frozenset):
+            digest.update(repr(sorted(map(repr, const))).encode())
+        else:
+            digest.update(repr(const).encode())
+        digest.update(b"\0")
 
 
 def check_resumed_python_rewards(run_dir: Path, extra, gold, configured: bool) -> None:

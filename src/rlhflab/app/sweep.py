@@ -30,6 +30,9 @@ from rlhflab.config import (
     validate,
 )
 from rlhflab.config import base as configbase
+from rlhflab.errors import RlhflabError
+from rlhflab.infra.child_process import ends_with_parent
+from rlhflab.infra.files import WriteFailed
 from rlhflab.trainers.common import TrainingHalted
 
 log = logging.getLogger(__name__)
@@ -196,7 +199,10 @@ def _trial(trial, base: dict, space: dict, sweep_dir: Path, stage: str) -> float
     Optuna's own catch logs a whole traceback for what is a message."""
     try:
         return run_trial(trial, base, space, sweep_dir, stage)
-    except (ConfigError, TrainingHalted) as exc:
+    except WriteFailed:  # a full disk fails every trial alike: the sweep stops here
+        raise
+    except RlhflabError as exc:  # its drawn settings refused (a model, data or reward
+        # error included: a preset that does not exist), or its training halted
         log.warning("trial %d failed: %s", trial.number, exc)
         return math.nan
 
@@ -229,6 +235,10 @@ def optimise(study, optuna, total: int, objective) -> None:
             )
 
 
+def preset_seed(args) -> int:
+    return 0 if args.seed is None else args.seed
+
+
 def base_config(args) -> tuple[Config, str, Path, str]:
     """(base config, stage, sweep folder, study name) from --config or --preset."""
     overrides = list(args.overrides or [])
@@ -238,11 +248,16 @@ def base_config(args) -> tuple[Config, str, Path, str]:
         from rlhflab.app.sweep_preset import preset_base
 
         # before the base models train (minutes): the folder's study first
-        name = f"{args.preset}-s{args.seed}"
+        name = f"{args.preset}-s{preset_seed(args)}"
         claim_folder(Path(args.out or Path("runs") / "sweeps" / name), args.name or name)
-        return preset_base(args.preset, args.seed, args.out, overrides)
+        return preset_base(args.preset, preset_seed(args), args.out, overrides)
     if not args.config:
         raise ConfigError("rlhflab sweep: give --config FILE or --preset NAME")
+    if args.seed is not None:  # else dropped: the user would think the trials ran seed N
+        raise ConfigError(
+            f"--seed: the preset's seed (with --preset); with --config set the runs' seed "
+            f"as an override: seed={args.seed}"
+        )
     first = load_config(args.config, overrides)
     stage = first.sweep.method
     cfg = load_config(args.config, overrides, stage=stage) if stage != "ppo" else first
@@ -259,6 +274,8 @@ def run_sweep(args) -> dict:
     base = configbase.to_dict(cfg)
     space = check_space(cfg.sweep.space or DEFAULT_SPACES[stage], base)
     made = not sweep_dir.exists()
+    if sweep_dir.exists() and not sweep_dir.is_dir():
+        raise ConfigError(f"--out: {sweep_dir} exists and is not a folder")
     sweep_dir.mkdir(parents=True, exist_ok=True)
     claim_folder(sweep_dir, name)
     storage = args.storage or f"sqlite:///{(sweep_dir / 'study.db').resolve()}"
@@ -301,10 +318,21 @@ def _spawn_workers(args, sweep_dir: Path, storage: str, name: str) -> list:
     for k in range(1, args.jobs):
         cmd = [sys.executable, "-m", "rlhflab", "sweep", "--trials", str(args.trials)]
         cmd += ["--storage", storage, "--name", name, "--out", str(sweep_dir)]
-        cmd += ["--worker", str(k), "--seed", str(args.seed)]
-        cmd += ["--preset", args.preset] if args.preset else ["--config", args.config]
+        cmd += ["--worker", str(k)]
+        if args.preset:
+            cmd += ["--preset", args.preset, "--seed", str(preset_seed(args))]
+        else:
+            cmd += ["--config", args.config]
         cmd += list(args.overrides or [])
         logfile = open(sweep_dir / f"worker-{k}.log", "w")  # noqa: SIM115 (kept for the child)
         env = {**os.environ, "RLHFLAB_ALLOCATOR": os.environ.get("RLHFLAB_ALLOCATOR", "auto")}
-        procs.append(subprocess.Popen(cmd, stdout=logfile, stderr=subprocess.STDOUT, env=env))
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                stdout=logfile,
+                stderr=subprocess.STDOUT,
+                env=env,
+                preexec_fn=ends_with_parent(),  # no orphan trains on after the parent died
+            )
+        )
     return procs

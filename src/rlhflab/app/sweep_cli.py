@@ -34,7 +34,9 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--name", help="the study's name (default: the config file's stem)")
     p.add_argument("--out", help="the sweep folder (default runs/sweeps/NAME)")
-    p.add_argument("--seed", type=int, default=0, help="the preset's seed (with --preset)")
+    p.add_argument(
+        "--seed", type=int, default=None, help="the preset's seed (with --preset; default 0)"
+    )
     p.add_argument("--worker", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides")
 

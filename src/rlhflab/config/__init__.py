@@ -233,6 +233,7 @@ def validate(cfg: Config, stage: str = "ppo", reward_given: bool = False) -> Con
         # (with functions, zero weights watch the heads without optimising them)
         raise ConfigError("reward.heads: every weight is 0, so the reward is constant")
     check_refresh(cfg)
+    _check_adaptive_kl(cfg.ppo, cfg.rollout.prompts_per_iteration)
     if cfg.ppo.kl_placement == "reward" and cfg.ppo.kl_estimator not in ("k1", "k3", "abs"):
         raise ConfigError(
             f"ppo.kl_estimator: {cfg.ppo.kl_estimator!r} is a loss-side estimator; in the reward "
@@ -247,6 +248,27 @@ def validate(cfg: Config, stage: str = "ppo", reward_given: bool = False) -> Con
             f"{', '.join(repr(e) for e in LOSS_KL_ESTIMATORS)} (ppo-details §3.4)"
         )
     return cfg
+
+
+def _check_adaptive_kl(ppo, answers: int) -> None:
+    """The adaptive controller multiplies β by 1 + e·n/horizon, e in [−0.2, 0.2] (OAI19),
+    n the iteration's answers: β must start above 0 (0 stays 0: the control would do
+    nothing), and 0.2·n/horizon must stay under 1, else a KL far under target makes the
+    factor ≤ 0 — a negative β, a bonus for drifting from the reference."""
+    if ppo.kl_target is None:
+        return
+    if ppo.kl_coef <= 0:
+        raise ConfigError(
+            "ppo.kl_coef: the adaptive controller (ppo.kl_target) multiplies β, so it must "
+            "start above 0 (it is 0); set a starting β such as 0.05, or unset ppo.kl_target"
+        )
+    if 0.2 * answers >= ppo.kl_horizon:
+        raise ConfigError(
+            f"ppo.kl_horizon: {ppo.kl_horizon:g} answers against {answers} an iteration "
+            f"(rollout.prompts_per_iteration): β would be multiplied by 1 − 0.2·{answers}/"
+            f"{ppo.kl_horizon:g} ≤ 0 when the KL is far under ppo.kl_target, turning the KL "
+            f"penalty into a bonus; set ppo.kl_horizon above {0.2 * answers:g} (OAI19: 10000)"
+        )
 
 
 def _check_lora_targets(targets: str | list[str]) -> None:

@@ -82,7 +82,9 @@ class MonitorConfig:
         "warn",
         "What an alert does: 'warn' logs it; 'raise_kl' multiplies β by kl_factor once "
         "per iteration with an alert, up to kl_coef_max; 'stop' "
-        "checkpoints and stops with a message naming the signal and what to try.",
+        "checkpoints and stops with a message naming the signal and what to try (the "
+        "command then exits with status 3, not 0: a script's next step does not take the "
+        "stopped policy for a finished one).",
         choices=("warn", "raise_kl", "stop"),
     )
     kl_factor: float = setting(

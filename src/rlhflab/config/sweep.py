@@ -74,7 +74,9 @@ class SweepConfig:
     pruner: str = setting(
         "median",
         "'median': stop a trial whose running objective is below the median of earlier "
-        "trials at the same iteration (Optuna's MedianPruner); 'none': every trial runs out.",
+        "trials at the same iteration (its current value, not its best so far as Optuna's "
+        "MedianPruner compares: every trial's first iteration is the same reference policy; "
+        "rlhflab/app/sweep_study.py); 'none': every trial runs out.",
         choices=("median", "none"),
     )
     prune_after_trials: int = setting(

@@ -366,8 +366,7 @@ class FixedKLController:
 
 
 class AdaptiveKLController:
-    """Proportional β control towards a KL target (OAI19 §2.2, ``train_policy.py``).
-
+    """Proportional β control towards a KL target (OAI19 §2.2, ``train_policy.py``):
     e = clip(KL/target − 1, −0.2, 0.2); β ← β·(1 + e·n_steps/horizon).
 
     Units: ``target`` must be in the units of the ``current_kl`` passed to :meth:`update`.
@@ -380,21 +379,22 @@ class AdaptiveKLController:
     def __init__(self, init_kl_coef: float, target: float, horizon: float):
         if init_kl_coef <= 0 or target <= 0 or horizon <= 0:
             raise ValueError(
-                f"init_kl_coef, target and horizon must be > 0, got {init_kl_coef}, {target}, "
-                f"{horizon}"
+                f"init_kl_coef, target, horizon must be > 0: {init_kl_coef, target, horizon}"
             )
-        self.value = float(init_kl_coef)
-        self.target = float(target)
-        self.horizon = float(horizon)
+        self.value, self.target, self.horizon = float(init_kl_coef), float(target), float(horizon)
 
     def update(self, current_kl: float, n_steps: int) -> None:
+        if not math.isfinite(current_kl):  # a skipped batch's KL says nothing about β
+            return
         error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
-        self.value *= 1.0 + error * n_steps / self.horizon
+        factor = 1.0 + error * n_steps / self.horizon
+        if not factor > 0:  # config validation keeps 0.2·n < horizon; never a negative β
+            raise ValueError(f"adaptive KL: β × {factor:g}; kl_horizon must exceed 0.2 × {n_steps}")
+        self.value *= factor
 
     def state_dict(self) -> dict[str, float]:
         return {"value": self.value, "target": self.target, "horizon": self.horizon}
 
     def load_state_dict(self, state: dict[str, float]) -> None:
+        # β alone: target and horizon are the (validated) config's, which a resume may change
         self.value = float(state["value"])
-        self.target = float(state["target"])
-        self.horizon = float(state["horizon"])

@@ -122,8 +122,8 @@ class Alert:
 
     def message(self) -> str:
         return (
-            f"iteration {self.iteration}: monitor '{self.signal}' = {self.value:.3f} crossed "
-            f"{self.threshold:.3f} — {ADVICE[self.signal]}"
+            f"iteration {self.iteration}: monitor '{self.signal}' = {_short(self.value)} "
+            f"crossed {_short(self.threshold)} — {ADVICE[self.signal]}"
         )
 
 
@@ -264,6 +264,11 @@ class HackingMonitor:
                 alerts.append(Alert(iteration, name, v, threshold))
         self.state.alerts.extend(alerts)
         return alerts
+
+
+def _short(x: float) -> str:
+    """0.250 as before; 1e+300 (a KL over a target of 1e-300) in a few characters, not 301."""
+    return f"{x:.3f}" if abs(x) < 1e4 else f"{x:.3g}"
 
 
 def _baseline(kept: float | None, value: float) -> float | None:

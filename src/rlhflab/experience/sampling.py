@@ -16,6 +16,7 @@ import torch
 
 from rlhflab import models as M
 from rlhflab.core import algorithms as A
+from rlhflab.errors import RlhflabError
 
 if TYPE_CHECKING:
     from rlhflab.experience.rollout import Rollout
@@ -216,7 +217,7 @@ def draw_tokens(logits: torch.Tensor, generator, sampler: str = "multinomial") -
         raise
 
 
-class UndrawableLogits(ValueError):
+class UndrawableLogits(RlhflabError, ValueError):
     """Logits no sampler can draw from: a user error the command line says in one line (a
     model whose arithmetic overflows in its dtype, or sampling settings that filter out
     every token), not a bug to trace."""

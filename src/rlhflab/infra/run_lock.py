@@ -39,12 +39,21 @@ def run_lock(run_dir: Path, field: str = "log.output_dir") -> Iterator[None]:
     anything), are removed again."""
     run_dir = Path(run_dir)
     made = [p for p in (run_dir, *run_dir.parents) if not p.exists()]  # innermost first
-    run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / LOCK_NAME
-    try:  # 0o666 less the umask, as every file of the run: a teammate's resume opens it too
-        fd, writable = os.open(path, os.O_RDWR | os.O_CREAT, 0o666), True
-    except PermissionError:  # another user's lock file: flock works on a read-only handle
-        fd, writable = os.open(path, os.O_RDONLY), False
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        try:  # 0o666 less the umask, as every file of the run: a teammate's resume opens it
+            fd, writable = os.open(path, os.O_RDWR | os.O_CREAT, 0o666), True
+        except PermissionError:  # another user's lock file: flock works on a read-only handle
+            fd, writable = os.open(path, os.O_RDONLY), False
+    except OSError as exc:  # a folder that cannot be made or written (read-only, immutable)
+        for folder in made:
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise ConfigError(
+            f"{field}: {run_dir} cannot be written ({exc.strerror or exc}); give a folder you "
+            "can write"
+        ) from None
     held = False
     try:
         if fcntl is not None:

@@ -55,8 +55,8 @@ class RunLog:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
-            except ImportError:
-                log.warning("log.tensorboard: the tensorboard package is not installed; skipped")
+            except ImportError as exc:  # installed (checked before) but broken
+                raise _broken("tensorboard", exc) from None
         if wandb:
             try:
                 import wandb as wb
@@ -64,8 +64,8 @@ class RunLog:
                 self.wandb = wb.init(
                     project="rlhflab", dir=str(self.run_dir), config=config, resume="allow"
                 )
-            except ImportError:
-                log.warning("log.wandb: wandb is not installed; skipped")
+            except ImportError as exc:
+                raise _broken("wandb", exc) from None
 
     @staticmethod
     def _truncate_after(path: Path, step: int) -> None:
@@ -106,6 +106,34 @@ class RunLog:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def _broken(field: str, exc: ImportError):
+    from rlhflab.config import ConfigError
+
+    return ConfigError(
+        f"log.{field}: the package does not import ({exc}); mend it, or set log.{field}=false"
+    )
+
+
+def refuse_missing_loggers(tensorboard: bool, wandb: bool) -> None:
+    """``log.tensorboard``/``log.wandb`` asked for without the package: refused, naming the
+    field — a warning at the start of a run that goes on for hours, then has no curves
+    where the user will look, was too easy to miss. The trainers call it before any model
+    loads (every rank alike)."""
+    import importlib.util
+
+    from rlhflab.config import ConfigError
+
+    for field, on, package in (
+        ("tensorboard", tensorboard, "tensorboard"),
+        ("wandb", wandb, "wandb"),
+    ):
+        if on and importlib.util.find_spec(package) is None:
+            raise ConfigError(
+                f"log.{field}: the {package} package is not installed; pip install {package}, "
+                f"or set log.{field}=false (metrics.jsonl is written either way)"
+            )
 
 
 class RunLogError(RlhflabError, ValueError):

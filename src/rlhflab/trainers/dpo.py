@@ -31,6 +31,7 @@ from rlhflab.experience.data import check_pairs_fit, load_preferences
 from rlhflab.infra import checkpoint as C
 from rlhflab.infra.distributed import resolve_device
 from rlhflab.infra.run_lock import refuse_held
+from rlhflab.infra.runlog import refuse_missing_loggers
 from rlhflab.models.build import finish_models, load_model, load_tokenizer_for, to_trained
 from rlhflab.trainers.common import (
     Halt,
@@ -85,6 +86,7 @@ class DPOTrainer:
             pairs = builtin_pairs(_with_pairs(cfg, d.pairs))
             check_pairs_fit(self.tokenizer, limit, pairs, "the built-in task's pair")
         refuse_held(Path(cfg.log.output_dir), "log.output_dir", True)  # before models load
+        refuse_missing_loggers(cfg.log.tensorboard, cfg.log.wandb)
         lm = load_model(mc.policy, self.tokenizer, mc)
         if mc.lora_r:
             lm = M.apply_lora(lm, mc.lora_r, mc.lora_alpha, mc.lora_targets, seed=cfg.seed)

@@ -1,11 +1,10 @@
 """Online RLHF with PPO's update. :meth:`PPOTrainer.step` reads top to bottom: 1 generate
 (1b centre a reward ensemble) → 2 score → 3 missing-EOS penalty (3b PAR shaping) → 4 score
-normalisation → 5–7 the estimator that ppo.advantage_estimator names
-(:mod:`rlhflab.core.advantages`: gae with a critic, or the group baselines grpo / rloo) → 8
-PPO epochs → 9 metrics → 10 KL controller → 11 reward-model
-refresh (optional); the run loop (:mod:`~.loop`) adds 12, the checkpoint. The trainer holds
-its parts: :class:`~.ppo_epochs.PPOUpdate` (step 8; optimisers in
-:class:`~.update_guard.GuardedUpdate`), :class:`~.ppo_watch.PPOWatch`,
+normalisation → 5–7 the estimator that ppo.advantage_estimator names (gae with a critic, or
+the group baselines grpo / rloo: :mod:`rlhflab.core.advantages`) → 8 PPO epochs → 9 metrics
+→ 10 KL controller → 11 reward-model refresh (optional); the run loop (:mod:`~.loop`) adds
+12, the checkpoint. The trainer holds its parts: :class:`~.ppo_epochs.PPOUpdate` (step 8;
+optimisers in :class:`~.update_guard.GuardedUpdate`), :class:`~.ppo_watch.PPOWatch`,
 :class:`~.ppo_refresh.RewardRefresh` (step 11) and :class:`~.runstate.CastCheckpoints`.
 The maths is in :mod:`rlhflab.core.algorithms`.
 """
@@ -34,6 +33,7 @@ from rlhflab.infra.distributed import (
     rank_split,
 )
 from rlhflab.infra.run_lock import refuse_held
+from rlhflab.infra.runlog import refuse_missing_loggers
 from rlhflab.trainers import ppo_guards as guards
 from rlhflab.trainers.common import load_prompt_set
 from rlhflab.trainers.loop import RunLoop
@@ -72,8 +72,7 @@ class PPOTrainer:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.estimator = ADV.get(cfg.ppo.advantage_estimator)  # steps 5–7
-        # answers that must stay on one rank together: a group's baseline is computed from
-        # the answers one rank holds (1: PPO's answers are independent)
+        # answers that stay on one rank together: a group's baseline is the rank's (PPO: 1)
         self.group_size = cfg.grpo.group_size if self.estimator.grouped else 1
         self.ctx = init_distributed(cfg.device)
         # checked before any model loads: ppo.minibatches steps per epoch on every rank
@@ -87,6 +86,7 @@ class PPOTrainer:
         self.stream.batch_size = r.prompts_per_iteration // self.group_size  # distinct prompts
         self._check_batch(guards.policy_positions(cfg, cast))
         refuse_held(Path(cfg.log.output_dir), "log.output_dir", self.ctx.is_main)  # before models
+        refuse_missing_loggers(cfg.log.tensorboard, cfg.log.wandb)
         device = self.ctx.device if self.ctx.enabled else None
         self.cast = cast or build_cast(cfg, device, tokenizer, rewards)
         self.device = self.cast.device

@@ -226,8 +226,12 @@ class PPOWatch:
             if mc.response == "stop" and self.stop_reason is None:
                 self.stop_reason = f"{alert.message()} (monitor.response=stop)"
         if alerts and mc.response == "raise_kl":
-            self.kl_ctl.value = raised_kl_coef(self.kl_ctl.value, mc.kl_factor, mc.kl_coef_max)
-            log.warning("monitor.response=raise_kl: β → %.4g", self.kl_ctl.value)
+            before = self.kl_ctl.value
+            self.kl_ctl.value = raised_kl_coef(before, mc.kl_factor, mc.kl_coef_max)
+            if self.kl_ctl.value != before:
+                log.warning("monitor.response=raise_kl: β → %.4g", self.kl_ctl.value)
+            else:  # "β → 0.005" where it stayed read as a raise that never happened
+                log.warning("monitor.response=raise_kl: β stays %.4g (monitor.kl_coef_max)", before)
         return {**{f"monitor/{k}": v for k, v in signals.items()}, "monitor/alerts": len(alerts)}
 
     def sample_extras(self, n: int) -> list[dict]:

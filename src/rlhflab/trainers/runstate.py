@@ -239,7 +239,8 @@ def restore_ppo_state(trainer, s: dict) -> None:
     if int(s.get("world", 1)) != ctx.world:
         raise ConfigError(
             f"--resume: the checkpoint was written by {s.get('world', 1)} "
-            f"ranks; resume it with the same number, not {ctx.world}"
+            f"rank{'s' * (int(s.get('world', 1)) != 1)}; resume it with the same number, "
+            f"not {ctx.world}"
         )
     was, now = s.get("strategy"), trainer.cfg.dist.strategy if ctx.enabled else None
     if was is None and now is not None:  # a checkpoint from before it was recorded there
@@ -253,6 +254,12 @@ def restore_ppo_state(trainer, s: dict) -> None:
     trainer.iteration = int(s["iteration"])
     trainer.update.guard.load_state_dict(s)
     trainer.kl_ctl.load_state_dict(s["kl"])
+    if trainer.cfg.ppo.kl_target is not None and not trainer.kl_ctl.value > 0:
+        raise ConfigError(  # a β the horizon guard (2026-12-07) now keeps positive
+            f"--resume: the checkpoint's adaptive β is {trainer.kl_ctl.value:g} (a KL bonus, "
+            "not a penalty: ppo.kl_horizon was too short); resume an earlier checkpoint or "
+            "start afresh"
+        )
     C.restore_rng(s["rng"][ctx.rank], trainer.gens)
     trainer.stream.load_state_dict(s["data"])
     trainer.moments.load_state_dict(s["moments"])
