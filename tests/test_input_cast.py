@@ -9,6 +9,7 @@ from torch import nn
 from rlhflab import models as M
 from rlhflab.backends.input_cast import projection_inputs
 from tests.model_helpers import batch, loaded
+from tests.test_weight_cast import logits_and_grads
 
 
 def nano(runtime, *overrides):
@@ -25,15 +26,6 @@ def casts_of_activations(fn) -> int:
         for e in prof.key_averages(group_by_input_shape=True)
         if e.key == "aten::_to_copy" and e.input_shapes and len(e.input_shapes[0]) == 3
     )
-
-
-def logits_and_grads(model):
-    ids, mask = batch()
-    model.zero_grad()
-    with M.compute_autocast("cpu", "bf16"):
-        logits = M.causal_forward(model, ids, mask).logits
-    logits.float().logsumexp(-1).mean().backward()
-    return logits.detach(), [p.grad.clone() for p in model.parameters()]
 
 
 @pytest.mark.parametrize(
