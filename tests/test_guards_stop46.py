@@ -158,3 +158,21 @@ def test_every_error_class_rlhflab_defines_is_an_rlhflab_error():
             if bases & builtin and "RlhflabError" not in bases:
                 missing.append(f"{path.name}:{node.name}")
     assert not missing, missing
+
+
+def test_rm_is_refused_in_a_held_folder_before_its_model_loads(tmp_path, monkeypatch):
+    # `rlhflab rm` met the lock (and a missing logger) only once its run started, after
+    # the model had loaded; the other trainers before
+    from rlhflab.trainers import rm
+
+    def no_model(*a, **k):
+        raise AssertionError("the model loaded before the refusal")
+
+    monkeypatch.setattr(rm, "load_model", no_model)
+    cfg = load_config(
+        stage="rm",
+        overrides=["model.policy=preset:nano", "rm.pairs=40", f"rm.output_dir={tmp_path / 'rm'}"],
+    )
+    with run_lock.run_lock(tmp_path / "rm" / "run", "rm.output_dir"):
+        with pytest.raises(ConfigError, match="rm.output_dir: another rlhflab run"):
+            rm.rm_trainer(cfg)

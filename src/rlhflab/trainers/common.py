@@ -21,6 +21,8 @@ from rlhflab.errors import RlhflabError
 from rlhflab.experience.data import PromptStream, load_prompts
 from rlhflab.infra import checkpoint as C
 from rlhflab.infra.files import share_like_umask, writing
+from rlhflab.infra.run_lock import refuse_held
+from rlhflab.infra.runlog import refuse_missing_loggers
 
 log = logging.getLogger(__name__)
 
@@ -248,3 +250,11 @@ def load_single_model_state(trainer, s: dict) -> None:
     trainer.sched.load_state_dict(s["sched"])
     C.restore_rng(s["rng"], trainer.gens)
     trainer.scaler.load_state_dict(s.get("loss_scale", {}))  # fp16 runs; older checkpoints
+
+
+def refuse_before_models(cfg: Config, run_dir: Path, field: str, is_main: bool = True) -> None:
+    """What refuses a start before any model loads — seconds, not minutes: another run
+    holding ``run_dir`` (``field`` chose it; collective under torchrun), and a logger
+    (``log.tensorboard``/``log.wandb``) asked for without its package."""
+    refuse_held(run_dir, field, is_main)
+    refuse_missing_loggers(cfg.log.tensorboard, cfg.log.wandb)

@@ -30,14 +30,13 @@ from rlhflab.core import losses as L
 from rlhflab.experience.data import check_pairs_fit, load_preferences
 from rlhflab.infra import checkpoint as C
 from rlhflab.infra.distributed import resolve_device
-from rlhflab.infra.run_lock import refuse_held
-from rlhflab.infra.runlog import refuse_missing_loggers
 from rlhflab.models.build import finish_models, load_model, load_tokenizer_for, to_trained
 from rlhflab.trainers.common import (
     Halt,
     build_optimizer_simple,
     build_scheduler,
     load_single_model_state,
+    refuse_before_models,
     single_model_state,
     supervised_step,
 )
@@ -85,8 +84,7 @@ class DPOTrainer:
         else:
             pairs = builtin_pairs(_with_pairs(cfg, d.pairs))
             check_pairs_fit(self.tokenizer, limit, pairs, "the built-in task's pair")
-        refuse_held(Path(cfg.log.output_dir), "log.output_dir", True)  # before models load
-        refuse_missing_loggers(cfg.log.tensorboard, cfg.log.wandb)
+        refuse_before_models(cfg, Path(cfg.log.output_dir), "log.output_dir")
         lm = load_model(mc.policy, self.tokenizer, mc)
         if mc.lora_r:
             lm = M.apply_lora(lm, mc.lora_r, mc.lora_alpha, mc.lora_targets, seed=cfg.seed)

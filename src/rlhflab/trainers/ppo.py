@@ -32,10 +32,8 @@ from rlhflab.infra.distributed import (
     init_distributed,
     rank_split,
 )
-from rlhflab.infra.run_lock import refuse_held
-from rlhflab.infra.runlog import refuse_missing_loggers
 from rlhflab.trainers import ppo_guards as guards
-from rlhflab.trainers.common import load_prompt_set
+from rlhflab.trainers.common import load_prompt_set, refuse_before_models
 from rlhflab.trainers.loop import RunLoop
 from rlhflab.trainers.ppo_epochs import EpochStats, PPOUpdate
 from rlhflab.trainers.ppo_metrics import (
@@ -85,8 +83,7 @@ class PPOTrainer:
         self.stream = load_prompt_set(cfg, tokenizer)
         self.stream.batch_size = r.prompts_per_iteration // self.group_size  # distinct prompts
         self._check_batch(guards.policy_positions(cfg, cast))
-        refuse_held(Path(cfg.log.output_dir), "log.output_dir", self.ctx.is_main)  # before models
-        refuse_missing_loggers(cfg.log.tensorboard, cfg.log.wandb)
+        refuse_before_models(cfg, Path(cfg.log.output_dir), "log.output_dir", self.ctx.is_main)
         device = self.ctx.device if self.ctx.enabled else None
         self.cast = cast or build_cast(cfg, device, tokenizer, rewards)
         self.device = self.cast.device

@@ -44,13 +44,14 @@ from rlhflab.experience.rewards import (
 from rlhflab.infra.distributed import resolve_device
 from rlhflab.infra.files import write_text_atomic
 from rlhflab.models.build import finish_models, load_model, load_tokenizer_for, to_trained
+from rlhflab.trainers.common import refuse_before_models
 from rlhflab.trainers.rm_odin import (  # noqa: F401  (ODIN_EXEMPT, trained_odin: imported from here)
     ODIN_EXEMPT,
     length_exempt_names,
     odin_settings,
     trained_odin,
 )
-from rlhflab.trainers.supervised import SupervisedTrainer
+from rlhflab.trainers.supervised import RUN, SupervisedTrainer
 
 log = logging.getLogger(__name__)
 
@@ -329,12 +330,11 @@ def rm_trainer(cfg: Config) -> SupervisedTrainer:
     odin = odin_settings(r, all_heads, exempt) if r.length_head else None
     init = r.init or cfg.model.policy
     tokenizer = load_tokenizer_for(init, cfg.model, "rm.init")  # renders chat rows
-    # the data is read before the model is loaded: a bad row is reported in seconds
-    limit = M.position_limit(init, "rm.init")
-    bad_rows = cfg.data.on_bad_row
-    pairs = load_preferences(r.data, tokenizer, cfg.data.split, limit, bad_rows) if r.data else None
-    # a causal LM (the SFT model) legitimately starts here with a fresh head; fp32 whatever
-    # the folder's dtype: these are the trained weights
+    limit = M.position_limit(init, "rm.init")  # data read before the model: bad rows in seconds
+    bad = cfg.data.on_bad_row
+    pairs = load_preferences(r.data, tokenizer, cfg.data.split, limit, bad) if r.data else None
+    refuse_before_models(cfg, Path(r.output_dir) / RUN, "rm.output_dir")
+    # a causal LM (the SFT model) starts here with a fresh head; fp32: the trained weights
     model = load_model(
         init, tokenizer, cfg.model, "classifier", field="rm.init", num_labels=len(all_heads)
     )

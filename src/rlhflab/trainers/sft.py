@@ -17,9 +17,8 @@ from rlhflab.config import Config
 from rlhflab.core import algorithms as A
 from rlhflab.experience.data import BadRows, DataError, check_fits, open_rows, sft_pair
 from rlhflab.infra.distributed import resolve_device
-from rlhflab.infra.run_lock import refuse_held
-from rlhflab.infra.runlog import refuse_missing_loggers
 from rlhflab.models.build import finish_models, load_model, load_tokenizer_for, to_trained
+from rlhflab.trainers.common import refuse_before_models
 from rlhflab.trainers.supervised import RUN, SupervisedTrainer
 
 
@@ -100,8 +99,7 @@ def sft_trainer(cfg: Config) -> SupervisedTrainer:
         for i, (prompt, response) in enumerate(pairs):
             where = f"the built-in task's SFT example {i + 1}"
             check_fits(tokenizer, limit, where, prompt, {"response": response})
-    refuse_held(Path(s.output_dir) / RUN, "sft.output_dir", True)  # before the model loads
-    refuse_missing_loggers(cfg.log.tensorboard, cfg.log.wandb)
+    refuse_before_models(cfg, Path(s.output_dir) / RUN, "sft.output_dir")
     model = load_model(cfg.model.policy, tokenizer, cfg.model)
     finish_models(cfg.model, device, trained=(model,))
     model = to_trained(model, device, "the SFT policy")
