@@ -44,7 +44,9 @@ def test_compare_writes_one_row_per_method_and_the_report_shows_it(tmp_path):
     assert counts["ppo"] == counts["grpo"] == counts["rloo"] == [16.0, 16.0]
     saved = json.loads((run / "compare.json").read_text())
     assert [r["method"] for r in saved["rows"]] == ["sft", *METHODS]
+    assert saved["overrides"] == SMALL  # what the table measured, not only the preset
     table_md = (run / "compare.md").read_text()
+    assert table_md.startswith(f"preset quick, seed 3, overrides {' '.join(SMALL)}\n")
     assert "| dpo |" in table_md and "| method | gold | proxy | accuracy |" in table_md
     assert "| sft |" in table_md and table_md.count("| method |") == 1
     html = (run / "grpo" / "report.html").read_text()

@@ -165,7 +165,8 @@ def _compare(run: Path, cfg, preset, seed, out_root, extra, progress, eval_promp
     train_rm(cfg)
     rows = []
     if progress:  # the rows come as each method finishes: the header first
-        print(format_table({"preset": preset, "seed": seed, "rows": []}), flush=True)
+        header = {"preset": preset, "seed": seed, "overrides": list(extra or []), "rows": []}
+        print(format_table(header), flush=True)
     for method in ("sft", *METHODS):
         args = [
             sys.executable,
@@ -188,7 +189,8 @@ def _compare(run: Path, cfg, preset, seed, out_root, extra, progress, eval_promp
             rows[-1]["wall_s"] = sft_seconds
         if progress:
             print(format_row(rows[-1]), flush=True)
-    table = {"preset": preset, "seed": seed, "rows": rows}
+    # the overrides every stage ran with: a table that says what it measured
+    table = {"preset": preset, "seed": seed, "overrides": list(extra or []), "rows": rows}
     write_text_atomic(run / "compare.json", json.dumps(table, indent=2))
     write_text_atomic(run / "compare.md", format_table(table) + "\n")
     from rlhflab.app.report import build_report
@@ -210,7 +212,8 @@ def format_table(table: dict) -> str:
     sep = "|" + " --- |" * (len(COLUMNS) + 1)
     return "\n".join(
         [
-            f"preset {table['preset']}, seed {table['seed']}",
+            f"preset {table['preset']}, seed {table['seed']}"
+            + (f", overrides {' '.join(table['overrides'])}" if table.get("overrides") else ""),
             "",
             head,
             sep,
