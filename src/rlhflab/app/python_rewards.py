@@ -22,7 +22,7 @@ def note_python_rewards(run_dir: Path, extra, gold) -> None:
     that a resume from the command line, which cannot bring them, is refused instead of
     continuing on another objective; removed when there are none."""
     path = run_dir / "inputs" / PYTHON_REWARDS
-    names = [source.name for source, _ in extra] + ([f"gold {gold.name}"] if gold else [])
+    names, code = _names_and_code(extra, gold)
     if not names:
         path.unlink(missing_ok=True)
         return
@@ -31,9 +31,6 @@ def note_python_rewards(run_dir: Path, extra, gold) -> None:
     # number weights the source's one part, named after it; a dict weights parts by name;
     # the parts of a source that returns a dict under one number stay unknown here)
     weights: dict[str, float] = {}
-    code = {name: code_digest(source.fn) for name, (source, _) in zip(names, extra)}
-    if gold:
-        code[names[-1]] = code_digest(gold.fn)
     for source, w in extra:
         if isinstance(w, dict):
             weights.update({str(k): float(v) for k, v in w.items()})
@@ -41,6 +38,14 @@ def note_python_rewards(run_dir: Path, extra, gold) -> None:
             weights[source.name] = float(w)
     record = {"rewards": names, "weights": weights, "code": code}
     write_text_atomic(path, json.dumps(record))
+
+
+def _names_and_code(extra, gold) -> tuple[list[str], dict[str, str | None]]:
+    """The Python rewards' names (the gold one as ``gold NAME``) and each one's code digest:
+    what a start records and what a resume compares."""
+    sources = [source for source, _ in extra] + ([gold] if gold else [])
+    names = [source.name for source, _ in extra] + ([f"gold {gold.name}"] if gold else [])
+    return names, {name: code_digest(source.fn) for name, source in zip(names, sources)}
 
 
 def code_digest(fn) -> str | None:
@@ -93,7 +98,7 @@ def check_resumed_python_rewards(run_dir: Path, extra, gold, configured: bool) -
     except (OSError, ValueError, AttributeError, TypeError):
         log.warning("resume: %s cannot be read; the Python rewards are not compared", path)
         return
-    now = [source.name for source, _ in extra] + ([f"gold {gold.name}"] if gold else [])
+    now, now_code = _names_and_code(extra, gold)
     rewards_before = [n for n in before if not n.startswith("gold ")]
     if rewards_before and not extra and not configured:
         raise ConfigError(
@@ -109,9 +114,6 @@ def check_resumed_python_rewards(run_dir: Path, extra, gold, configured: bool) -
             ", ".join(now) or "none",
         )
         return
-    now_code = {name: code_digest(source.fn) for name, (source, _) in zip(now, extra)}
-    if gold:
-        now_code[now[-1]] = code_digest(gold.fn)
     changed = [
         n for n in now if before_code.get(n) and now_code.get(n) and before_code[n] != now_code[n]
     ]
