@@ -219,7 +219,15 @@ def test_bf16_ppo_scores_in_bf16_with_its_first_ratio_one_and_fp32_master_weight
 def test_bf16_scoring_differs_from_fp32_by_rounding_only(tmp_path):
     """The autocast is really on: the same rollout's log-probs and values under bf16 are
     not fp32's, and are close to them."""
-    t = PPOTrainer(ppo_cfg(tmp_path, "model.compute_dtype=bf16", "model.value_model=shared"))
+    t = PPOTrainer(
+        ppo_cfg(
+            tmp_path,
+            "model.compute_dtype=bf16",
+            "model.value_model=shared",
+            # the same reference scores in fp32 below, which needs its fp32 weights
+            "model.reference_low_weights=false",
+        )
+    )
     cast, r = t.cast, t.cfg.rollout
     prompts = t.next_prompts()
     ro = generate_rollout(

@@ -96,6 +96,18 @@ class ModelConfig:
         "quantisation of Linear layers on CPU). Lower saves memory; the KL gets noisier.",
         choices=PRECISIONS,
     )
+    reference_low_weights: bool = setting(
+        True,
+        "With a 16-bit compute_dtype and reference_precision fp32, the reference's Linear "
+        "weights are stored in that 16-bit dtype: under autocast it multiplies only 16-bit "
+        "copies of them, cast again in every forward, so the fp32 originals held half their "
+        "bytes for nothing. Same arithmetic bit for bit (the copy is the rounding autocast "
+        "applies; norms, embeddings and a tied output embedding stay fp32, and the KL of "
+        "an unchanged policy stays 0); the reference's Linear weights take half the memory "
+        "and its forward skips the casts (SmolLM2-135M: ~200 MiB; docs/real-models.md, "
+        "'Precision'). Not with a LoRA policy (its reference is the policy's own base) "
+        "nor a reference sharded by fsdp (one dtype per shard). Ignored for fp32.",
+    )
     reward_precision: str = setting(
         "fp32",
         "Precision of the frozen reward model (same choices as reference_precision).",

@@ -222,6 +222,21 @@ def load_frozen_policy(cfg: Config, tokenizer, device="cpu") -> nn.Module:
     return M.make_reference(lm, cfg.model.reference_precision, device=device)
 
 
+def reference_low_dtype(cfg: Config) -> torch.dtype | None:
+    """The 16-bit dtype to store an fp32 reference's Linear weights in
+    (model.reference_low_weights), or None: compute in fp32, a 16-bit, int8 or LoRA
+    reference, or one that fsdp will shard (its shards need one dtype)."""
+    mc = cfg.model
+    if not mc.reference_low_weights or mc.compute_dtype == "fp32" or mc.lora_r:
+        return None
+    if mc.reference_precision != "fp32":
+        return None
+    sharded = cfg.dist.strategy == "fsdp" and cfg.dist.shard_reference
+    if sharded and torch.distributed.is_available() and torch.distributed.is_initialized():
+        return None
+    return M.PRECISION_DTYPES[mc.compute_dtype]
+
+
 def build_cast(
     cfg: Config, device: torch.device | None = None, tokenizer=None, extra_rewards=()
 ) -> ModelCast:
@@ -289,7 +304,9 @@ def build_cast(
 
     if mc.lora_r > 0:
         lm = M.apply_lora(lm, mc.lora_r, mc.lora_alpha, mc.lora_targets, seed=cfg.seed)
-    reference = M.make_reference(lm, mc.reference_precision, mc.offload_frozen, device)
+    reference = M.make_reference(
+        lm, mc.reference_precision, mc.offload_frozen, device, reference_low_dtype(cfg)
+    )
 
     if rm is not None:
         rm = freeze_reward_model(rm, cfg, device, mc.offload_frozen)

@@ -41,6 +41,7 @@ import torch
 from rlhflab import models as M
 from rlhflab.core import algorithms as A
 from rlhflab.experience.sampling import PromptCaches, PromptPrefix, cache_kwarg, distinct_rows
+from rlhflab.models.frozen import low_linear_dtype
 
 log = logging.getLogger(__name__)
 
@@ -295,7 +296,15 @@ def takes_tree_mask(model, sp: Spellings, temperature: float) -> bool:
     low = any(p.dtype in (torch.bfloat16, torch.float16) for p in weights.parameters()) or any(
         type(m).__module__.startswith("torch.ao.nn.quantized") for m in weights.modules()
     )
-    with torch.autocast(ids.device.type, enabled=False):
+    # without autocast, except for a reference whose Linear weights are stored in 16 bits
+    # (model.reference_low_weights), which computes only under its autocast
+    stored = low_linear_dtype(weights)
+    arithmetic = (
+        torch.autocast(ids.device.type, dtype=stored)
+        if stored is not None
+        else torch.autocast(ids.device.type, enabled=False)
+    )
+    with arithmetic:
         want = _opener_by_forwards(model, sp, ids, mask, temperature)
         tol = (0.05 if low else 1e-3) * (1 + float(want.abs().max()))
         try:  # the model's forward with the tree-shaped mask, and nothing else

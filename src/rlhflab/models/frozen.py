@@ -13,6 +13,8 @@ from torch import nn
 from rlhflab.models.loading import release_freed_memory
 from rlhflab.models.prepare import ModelLoadError
 
+# set on a model whose Linear weights store_linear_weights made 16-bit: its dtype
+LOW_LINEAR = "_rlhflab_low_linear"
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -129,10 +131,13 @@ def make_reference(
     precision: str = "fp32",
     offload: bool = False,
     device: str | torch.device = "cpu",
+    low_weights: torch.dtype | None = None,
 ):
     """Frozen copy of the initial policy, or the adapter-disabled base of a LoRA policy
     (which shares the policy's weights: nothing of it to offload — ``offload`` then moves
-    only the other frozen models — and no precision of its own)."""
+    only the other frozen models — and no precision of its own). ``low_weights``: the
+    16-bit dtype an fp32 reference's products run in under autocast, to store its Linear
+    weights in (:func:`store_linear_weights`; model.reference_low_weights)."""
     if hasattr(policy_lm, "disable_adapter"):
         if precision != "fp32":
             raise ModelLoadError(
@@ -141,9 +146,51 @@ def make_reference(
             )
         return LoraReference(policy_lm)
     ref = freeze(set_precision(copy.deepcopy(policy_lm), precision, "cpu" if offload else device))
+    if low_weights is not None and precision == "fp32":
+        store_linear_weights(ref, low_weights)
+        release_freed_memory()
     if offload:
         return Offloaded(ref, torch.device(device))
     return ref.to(device) if precision != "int8" else ref
+
+
+def store_linear_weights(model: nn.Module, dtype: torch.dtype) -> int:
+    """Store the fp32 weight of every plain ``nn.Linear`` of frozen ``model`` in ``dtype``,
+    in place; returns the bytes freed. For a model that only ever runs under
+    ``torch.autocast(dtype)``: autocast casts each Linear's fp32 weight to ``dtype`` in
+    every forward (its cache keeps only the casts of weights that train), and a weight
+    already in ``dtype`` is the same rounding, made once — the products are bit for bit
+    those of the fp32 model under autocast. Outside autocast the model would refuse fp32
+    inputs (mixed dtypes), never compute otherwise. Left fp32: biases (autocast casts
+    them as before), every other module's weights (norms and embeddings run in fp32 under
+    autocast) and a Linear weight tied to one of them (a tied output embedding is also
+    the input embedding's table, looked up in fp32)."""
+    others = {
+        id(p)
+        for module in model.modules()
+        if type(module) is not nn.Linear
+        for p in module._parameters.values()
+        if p is not None
+    }
+    low: dict[int, nn.Parameter] = {}  # one 16-bit tensor for a weight two Linears share
+    freed = 0
+    for module in model.modules():
+        w = module.weight if type(module) is nn.Linear else None
+        if w is None or w.dtype != torch.float32 or id(w) in others:
+            continue
+        if id(w) not in low:
+            low[id(w)] = nn.Parameter(w.detach().to(dtype), requires_grad=False)
+            freed += w.numel() * (w.element_size() - low[id(w)].element_size())
+        module.weight = low[id(w)]
+    if low:
+        setattr(model, LOW_LINEAR, dtype)
+    return freed
+
+
+def low_linear_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype :func:`store_linear_weights` stored ``model``'s Linear weights in (the
+    autocast it must run under), or None."""
+    return getattr(model, LOW_LINEAR, None)
 
 
 def module_bytes(model: nn.Module) -> int:

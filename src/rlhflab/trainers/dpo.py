@@ -27,6 +27,7 @@ from rlhflab.config.base import to_dict
 from rlhflab.config.stages import STAGE_DEFAULTS
 from rlhflab.core import algorithms as A
 from rlhflab.core import losses as L
+from rlhflab.experience.cast import reference_low_dtype
 from rlhflab.experience.data import check_pairs_fit, load_preferences
 from rlhflab.infra import checkpoint as C
 from rlhflab.infra.distributed import resolve_device
@@ -89,7 +90,7 @@ class DPOTrainer:
         if mc.lora_r:
             lm = M.apply_lora(lm, mc.lora_r, mc.lora_alpha, mc.lora_targets, seed=cfg.seed)
         self.reference = M.make_reference(
-            lm, mc.reference_precision, mc.offload_frozen, self.device
+            lm, mc.reference_precision, mc.offload_frozen, self.device, reference_low_dtype(cfg)
         )
         finish_models(mc, self.device, trained=(lm,), frozen=(self.reference,))
         self.policy = to_trained(lm, self.device, "the DPO policy")
