@@ -223,12 +223,27 @@ def _sft_on_builtin_task(folder: str) -> bool:
     return isinstance(sft, dict) and "data" in sft and sft["data"] is None
 
 
+# seconds between a progress bar's redraws when stderr is a file or a pipe (a batch job's
+# log, CI): each redraw there is another carriage-return-joined copy of the line, ten a
+# second by default; one every half minute still shows a run is alive
+NON_TTY_INTERVAL = 30.0
+
+
 def progress(iterable, enabled: bool, desc: str, **kwargs):
     if not enabled:
         return iterable
     from tqdm.auto import tqdm
 
+    if not _stderr_is_terminal():
+        kwargs.setdefault("mininterval", NON_TTY_INTERVAL)
     return tqdm(iterable, desc=desc, dynamic_ncols=True, **kwargs)
+
+
+def _stderr_is_terminal() -> bool:
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):  # replaced by an object without it, or closed
+        return False
 
 
 def single_model_state(trainer) -> dict:
