@@ -1,8 +1,12 @@
 """Defects found from outside in stop 47, each pinned by a test that fails on the old code."""
 
 import io
+import logging
 
-from rlhflab.trainers import common
+import pytest
+import torch
+
+from rlhflab.trainers import common, ppo_guards
 
 
 class _Terminal(io.StringIO):
@@ -21,3 +25,55 @@ def test_a_progress_bar_redraws_rarely_when_stderr_is_a_log_file(monkeypatch):
     assert bar.mininterval < 1
     list(bar)
     assert common.progress(range(3), False, "train") == range(3)
+
+
+def _rollout(old, ref, mask):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        old_logprobs=torch.tensor(old, dtype=torch.float64),
+        ref_logprobs=torch.tensor(ref, dtype=torch.float64),
+        response_mask=torch.tensor(mask),
+    )
+
+
+def test_an_int8_reference_that_parts_from_the_unchanged_policy_is_named(caplog):
+    # an int8 SmolLM2-135M reference: KL 9.5 nats on a 5-token answer at iteration 1, silently
+    far = _rollout([[-1.0, -2.0, 0.0]], [[-2.5, -0.5, 9.0]], [[1, 1, 0]])  # padding ignored
+    with caplog.at_level(logging.WARNING):
+        gap = ppo_guards.warn_reference_gap(far, "int8", 0)
+    assert gap == pytest.approx(1.5)
+    said = caplog.text
+    assert "model.reference_precision=int8" in said and "1.5 nats a token" in said
+    assert "KL 0 nats an answer" in said and "use bf16" in said  # (+1.5 − 1.5): k1 sums
+    caplog.clear()
+    near = _rollout([[-1.0, -2.0]], [[-1.03, -1.98]], [[1, 1]])
+    with caplog.at_level(logging.WARNING):
+        assert ppo_guards.warn_reference_gap(near, "bf16", 0) == pytest.approx(0.025)
+        assert ppo_guards.warn_reference_gap(far, "int8", 1) is None  # the policy has moved
+    assert caplog.text == ""
+
+
+def test_the_first_iteration_of_a_ppo_run_checks_the_reference_gap(tmp_path, monkeypatch, caplog):
+    from rlhflab.config import load_config
+    from rlhflab.trainers.ppo import PPOTrainer
+
+    cfg = load_config(
+        base={
+            "model": {"policy": "preset:nano", "value_model": "separate"},
+            "reward": {"functions": {"rlhflab.builtin.toy_rewards:vowel_reward": 1.0}},
+            "rollout": {"prompts_per_iteration": 4, "max_new_tokens": 4},
+            "ppo": {"iterations": 2, "epochs": 1, "minibatches": 1},
+            "log": {"output_dir": str(tmp_path / "run"), "progress": False},
+        }
+    )
+    t = PPOTrainer(cfg)
+    monkeypatch.setattr(ppo_guards, "REFERENCE_GAP_WARN", -1.0)  # any gap is "large"
+    with caplog.at_level(logging.WARNING, logger="rlhflab.trainers.ppo_guards"):
+        t.step()
+        assert "at the first iteration" in caplog.text
+        assert "the policy and the reference compute" in caplog.text  # fp32: not a precision
+        caplog.clear()
+        t.iteration = 1
+        t.step()
+    assert "at the first iteration" not in caplog.text

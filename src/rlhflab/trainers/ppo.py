@@ -198,6 +198,7 @@ class PPOTrainer:
             self._score_unfilled_old_logprobs(rollout)
             kl = self._token_kl(rollout)
         times["time/train"] = time.perf_counter() - t0
+        guards.warn_reference_gap(rollout, self.cfg.model.reference_precision, self.iteration)
 
         # 9. metrics, the same on every rank, then the monitor's reaction to them (9b)
         metrics = self._metrics(rollout, raw_scores, kl, beta, train, adv.metrics, times)
