@@ -77,3 +77,65 @@ def test_the_first_iteration_of_a_ppo_run_checks_the_reference_gap(tmp_path, mon
         t.iteration = 1
         t.step()
     assert "at the first iteration" not in caplog.text
+
+
+def test_the_python_reward_trainer_trains_an_ensemble_as_the_command_does(tmp_path):
+    # RewardTrainer(overrides={"rm.ensemble_size": 2}) trained one model and said nothing
+    import rlhflab
+
+    seen = []
+    r = rlhflab.RewardTrainer(
+        "preset:nano",
+        output_dir=tmp_path / "rm",
+        overrides={"rm.steps": 2, "rm.ensemble_size": 2, "rm.pairs": 32, "log.progress": False},
+        callbacks=[lambda trainer, step, metrics: seen.append(step)],
+    )
+    out = r.train()
+    folders = [tmp_path / "rm" / f"member-{i}" for i in range(2)]
+    assert out["ensemble"] == [str(f) for f in folders]
+    assert [m["output_dir"] for m in out["members"]] == out["ensemble"]
+    assert all((f / "config.json").is_file() for f in folders)
+    assert len(seen) == 4  # both members' steps reach the callbacks
+    from safetensors.torch import load_file
+
+    a, b = (load_file(f / "model.safetensors") for f in folders)
+    assert any(not torch.equal(a[k], b[k]) for k in a)  # seed + i: two models
+
+
+def test_plain_pairs_train_a_preference_head_under_the_default_heads(tmp_path, caplog):
+    # the documented RewardTrainer(model, pairs) with (prompt, chosen, rejected) tuples was
+    # refused: the default rm.heads are the built-in annotator's four labels
+    import json
+
+    import yaml
+
+    import rlhflab
+
+    pairs = [(f"Say {w}.", w, f"{w} {w} no") for w in ("yes", "hi", "ok", "go", "up", "on")] * 3
+    with caplog.at_level(logging.INFO, logger="rlhflab.trainers.rm"):
+        r = rlhflab.RewardTrainer(
+            "preset:nano",
+            pairs,
+            output_dir=tmp_path / "rm",
+            overrides={"rm.steps": 2, "log.progress": False},
+        )
+    assert "the pairs carry no labels" in caplog.text
+    r.train()
+    config = json.loads((tmp_path / "rm" / "config.json").read_text())
+    assert config["id2label"] == {"0": "preference"}
+    saved = yaml.safe_load((tmp_path / "rm" / "run" / "config.yaml").read_text())
+    assert saved["rm"]["heads"] == {"preference": 1.0}  # a resume reads what was trained
+
+
+def test_labelled_pairs_still_need_their_heads_named(tmp_path):
+    import rlhflab
+    from rlhflab.config import ConfigError
+
+    rows = [
+        {"prompt": f"Say {w}.", "chosen": w, "rejected": "no", "labels": {"helpful": 1}}
+        for w in ("yes", "hi", "ok", "go", "up", "on", "in", "at", "by", "to")
+    ]
+    with pytest.raises(ConfigError, match="no pair in .* has a label for head 'correctness'"):
+        rlhflab.RewardTrainer(
+            "preset:nano", rows, output_dir=tmp_path / "rm", overrides={"rm.steps": 1}
+        )

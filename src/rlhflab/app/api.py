@@ -324,7 +324,11 @@ class SFTTrainer(_ModelOut):
 class RewardTrainer(_ModelOut):
     """Bradley-Terry reward-model training: ``rlhflab rm`` from Python. ``model``: the
     model to start from (a causal LM gets a fresh head per ``rm.heads``); ``pairs`` as for
-    :class:`DPOTrainer`. The result scores answers as ``reward=`` of the other trainers."""
+    :class:`DPOTrainer`. The result scores answers as ``reward=`` of the other trainers.
+    With ``rm.ensemble_size=k``, as the command: k models one after another, member i in
+    ``output_dir``/member-i with seed + i; ``train()`` returns member 0's result with
+    ``members`` and ``ensemble`` (their folders, for ``reward.ensemble``), and ``model``
+    is then the member trained last."""
 
     stage = "rm"
 
@@ -347,14 +351,25 @@ class RewardTrainer(_ModelOut):
         rows = I.rows_file(pairs, inputs / "pairs.jsonl", "pairs", split, I.pair_row)
         RI.set_data(cfg, rows, "rm.data", Path(cfg.rm.output_dir) / "run", resume)
         validate(cfg, self.stage)
-        from rlhflab.trainers.rm import rm_trainer
+        from rlhflab.trainers.rm import member_configs, rm_trainer
 
-        self._start(rm_trainer(cfg))
+        # an ensemble's members are built one at a time as they train (one model in memory)
+        first, *self._members = member_configs(cfg) if cfg.rm.ensemble_size > 1 else [cfg]
+        self._start(rm_trainer(first))
 
     def _train(self, resume: bool) -> dict:
-        from rlhflab.trainers.rm import run_rm
+        from rlhflab.trainers.rm import ensemble_result, rm_trainer, run_rm
 
-        return run_rm(self.engine, resume)
+        first = run_rm(self.engine, resume)
+        if not self._members:
+            return first
+        results = [first]
+        for member in self._members:
+            self.engine = None  # the last member's model is freed before the next loads
+            self._start(rm_trainer(member))
+            results.append(run_rm(self.engine, resume))
+        self._members = []  # trained: a second train() is the engine's own refusal
+        return ensemble_result(results)
 
 
 __all__ = [

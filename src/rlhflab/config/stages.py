@@ -88,7 +88,9 @@ class RMConfig:
     heads: dict[str, float] = setting(
         {"preference": 1.0, "correctness": 1.0, "brevity": 1.0, "politeness": 1.0},
         "Heads and their training-loss weights. 'preference' learns the annotator's overall "
-        "choice; any other head learns the pair's per-attribute label of that name.",
+        "choice; any other head learns the pair's per-attribute label of that name. The "
+        "default is the built-in annotator's labels; left at it, a data file whose pairs "
+        "carry no labels trains the one head they have, {preference: 1.0} (logged).",
     )
     margin: float | None = setting(
         None,

@@ -22,6 +22,7 @@ import torch
 from rlhflab import models as M
 from rlhflab.builtin import tasks
 from rlhflab.config import Config, ConfigError
+from rlhflab.config.stages import RMConfig
 from rlhflab.core import guards as G
 from rlhflab.core import losses as L
 from rlhflab.diagnostics.rm_checks import gold_warning, length_warning, reward_checks
@@ -304,15 +305,26 @@ def train_rm(cfg: Config, resume: bool = False) -> dict:
     pairs, summarise. With rm.ensemble_size=k, k models one after another, member i in
     ``rm.output_dir``/member-i with seed + i; the result is member 0's with ``members``
     (every member's result) and ``ensemble`` (their folders, for reward.ensemble)."""
-    k = cfg.rm.ensemble_size
-    if k == 1:
+    if cfg.rm.ensemble_size == 1:
         return run_rm(rm_trainer(cfg), resume)
-    members = []
-    for i in range(k):
+    members = [run_rm(rm_trainer(member), resume) for member in member_configs(cfg)]
+    return ensemble_result(members)
+
+
+def member_configs(cfg: Config) -> list[Config]:
+    """rm.ensemble_size=k: member i's config, seed + i, in ``rm.output_dir``/member-i."""
+    out = []
+    for i in range(cfg.rm.ensemble_size):
         member = copy.deepcopy(cfg)
         member.seed = cfg.seed + i
         member.rm.output_dir = str(Path(cfg.rm.output_dir) / f"member-{i}")
-        members.append(run_rm(rm_trainer(member), resume))
+        out.append(member)
+    return out
+
+
+def ensemble_result(members: list[dict]) -> dict:
+    """Member 0's result with every member's (``members``) and their folders
+    (``ensemble``, for reward.ensemble)."""
     return {**members[0], "members": members, "ensemble": [m["output_dir"] for m in members]}
 
 
@@ -322,17 +334,22 @@ def rm_trainer(cfg: Config) -> SupervisedTrainer:
     r = cfg.rm
     torch.manual_seed(cfg.seed)
     device = resolve_device(cfg.device)
+    init = r.init or cfg.model.policy
+    tokenizer = load_tokenizer_for(init, cfg.model, "rm.init")  # renders chat rows
+    limit = M.position_limit(init, "rm.init")  # data read before the model: bad rows in seconds
+    bad = cfg.data.on_bad_row
+    pairs = load_preferences(r.data, tokenizer, cfg.data.split, limit, bad) if r.data else None
+    if pairs is not None and r.heads == RMConfig().heads and not any(p.labels for p in pairs):
+        # the default heads are the built-in annotator's labels: plain pairs have only
+        # the preference, which is what they mean (said, and saved with the run's config)
+        r.heads = {"preference": 1.0}
+        log.info("rm.heads: the pairs carry no labels, so one head: %s", r.heads)
     heads = list(r.heads)
     if not heads:
         raise ConfigError("rm.heads: at least one head is needed")
     all_heads = heads + [LENGTH_HEAD] if r.length_head else heads
     exempt = length_exempt_names(r, all_heads) if r.length_head else []
     odin = odin_settings(r, all_heads, exempt) if r.length_head else None
-    init = r.init or cfg.model.policy
-    tokenizer = load_tokenizer_for(init, cfg.model, "rm.init")  # renders chat rows
-    limit = M.position_limit(init, "rm.init")  # data read before the model: bad rows in seconds
-    bad = cfg.data.on_bad_row
-    pairs = load_preferences(r.data, tokenizer, cfg.data.split, limit, bad) if r.data else None
     refuse_before_models(cfg, Path(r.output_dir) / RUN, "rm.output_dir")
     # a causal LM (the SFT model) starts here with a fresh head; fp32: the trained weights
     model = load_model(
