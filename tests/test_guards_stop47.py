@@ -139,3 +139,31 @@ def test_labelled_pairs_still_need_their_heads_named(tmp_path):
         rlhflab.RewardTrainer(
             "preset:nano", rows, output_dir=tmp_path / "rm", overrides={"rm.steps": 1}
         )
+
+
+def _gold_run(tmp_path, gold, name):
+    import rlhflab
+
+    t = rlhflab.PPOTrainer(
+        "preset:nano",
+        reward=lambda p, r: [1.0] * len(r),
+        gold=gold,
+        prompts=["a b", "c d"],
+        output_dir=tmp_path / name,
+        overrides={"ppo.iterations": 2, "rollout.prompts_per_iteration": 2, "log.progress": False},
+    )
+    return t.train()
+
+
+def test_a_gold_reward_with_nan_scores_is_said_and_the_finite_ones_still_count(tmp_path, caplog):
+    # a NaN gold score poisoned the gold mean, its trend and log.keep_best, without a word
+    with caplog.at_level(logging.WARNING, logger="rlhflab.diagnostics.monitor"):
+        out = _gold_run(tmp_path, lambda p, r: [float("nan")] + [2.0] * (len(r) - 1), "some")
+    assert "1 of 2 gold scores are not finite" in caplog.text
+    assert out["last"]["monitor/gold"] == 2.0
+    assert (tmp_path / "some" / "checkpoints" / "best").is_dir()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="rlhflab.diagnostics.monitor"):
+        out = _gold_run(tmp_path, lambda p, r: [float("nan")] * len(r), "none")
+    assert "no gold mean, trend or best checkpoint from this batch" in caplog.text
+    assert out["last"]["monitor/gold_drop"] == 0.0

@@ -206,17 +206,16 @@ class HackingMonitor:
         if self.gold_fn is not None:
             if gold is None:
                 gold = self.gold_of(rollout.prompts, rollout.responses)
-            gold = self.mean_over_ranks({"gold": float(gold.float().mean())})["gold"]
+            gold = self.mean_over_ranks({"gold": finite_mean(gold)})["gold"]
             out["gold"] = float(gold)
             a = mc.smoothing
-            st.gold_ema = (
-                float(gold) if st.gold_ema is None else a * st.gold_ema + (1 - a) * float(gold)
-            )
             proxy = metrics["objective/scores"]
-            st.proxy_ema = proxy if st.proxy_ema is None else a * st.proxy_ema + (1 - a) * proxy
-            if st.gold_ema > st.best_gold:
-                st.best_gold, st.proxy_at_best = st.gold_ema, st.proxy_ema
-            rising = st.proxy_ema > st.proxy_at_best
+            if math.isfinite(gold):  # a batch with no finite gold score leaves the trends
+                st.gold_ema = gold if st.gold_ema is None else a * st.gold_ema + (1 - a) * gold
+                st.proxy_ema = proxy if st.proxy_ema is None else a * st.proxy_ema + (1 - a) * proxy
+                if st.gold_ema > st.best_gold:
+                    st.best_gold, st.proxy_at_best = st.gold_ema, st.proxy_ema
+            rising = st.proxy_ema is not None and st.proxy_ema > st.proxy_at_best
             out["gold_drop"] = (st.best_gold - st.gold_ema) if rising else 0.0
         if self.kl_limit:
             out["kl_excess"] = metrics["objective/kl"] / self.kl_limit
@@ -232,9 +231,22 @@ class HackingMonitor:
         return out
 
     def gold_of(self, prompts: list[str], responses: list[str]) -> torch.Tensor:
-        """Each answer's gold reward (B,): the sum of the gold source's parts."""
+        """Each answer's gold reward (B,): the sum of the gold source's parts. Non-finite
+        scores are kept (NaN stays NaN in samples.jsonl) and said: :func:`finite_mean`
+        leaves them out of the gold mean, trend and best checkpoint."""
         parts = self.gold_fn(RewardBatch(prompts, responses))
-        return sum(parts.values()).float()
+        gold = sum(parts.values()).float()
+        bad = int((~torch.isfinite(gold)).sum())
+        if bad:
+            log.warning(
+                "monitor.gold: %d of %d gold scores are not finite (NaN or inf); %s",
+                bad,
+                gold.numel(),
+                "no gold mean, trend or best checkpoint from this batch"
+                if bad == gold.numel()
+                else "left out of the batch's gold mean",
+            )
+        return gold
 
     def thresholds(self) -> dict[str, tuple[float, str]]:
         """signal → (threshold, 'above' | 'below')."""
@@ -277,3 +289,9 @@ def _baseline(kept: float | None, value: float) -> float | None:
     if kept is not None and kept > 0:
         return kept
     return value if math.isfinite(value) and value > 0 else None
+
+
+def finite_mean(values: torch.Tensor) -> float:
+    """The mean of the finite entries of ``values``; NaN when there are none."""
+    finite = values[torch.isfinite(values)]
+    return float(finite.mean()) if finite.numel() else math.nan

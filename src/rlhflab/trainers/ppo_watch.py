@@ -18,7 +18,7 @@ import torch
 from rlhflab.config import Config, ConfigError
 from rlhflab.core import algorithms as A
 from rlhflab.core.stats import student_t_quantile
-from rlhflab.diagnostics.monitor import HackingMonitor
+from rlhflab.diagnostics.monitor import HackingMonitor, finite_mean
 from rlhflab.experience.opener import PromptCaches, opener_logprobs
 from rlhflab.experience.rewards import FunctionReward, RewardBatch
 from rlhflab.experience.rollout import Rollout, generate_rollout
@@ -113,8 +113,9 @@ class PPOWatch:
         if self.monitor is None or self.monitor.gold_fn is None:
             return False
         self.last_gold = self.monitor.gold_of(rollout.prompts, rollout.responses)
-        mean = self.ctx.mean_metrics({"gold": float(self.last_gold.mean())})["gold"]
-        return self.best.update(mean, iteration)
+        mean = self.ctx.mean_metrics({"gold": finite_mean(self.last_gold)})["gold"]
+        # NaN on any rank is NaN on every rank: all skip alike (a collective save may follow)
+        return math.isfinite(mean) and self.best.update(mean, iteration)
 
     def prompt_caches(self, iteration: int) -> dict[str, PromptCaches] | None:
         """Where steps 1 and 2 of iteration ``iteration`` (0-based) keep the prompts' KV
