@@ -2,6 +2,7 @@
 
 import io
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -167,3 +168,18 @@ def test_a_gold_reward_with_nan_scores_is_said_and_the_finite_ones_still_count(t
         out = _gold_run(tmp_path, lambda p, r: [float("nan")] * len(r), "none")
     assert "no gold mean, trend or best checkpoint from this batch" in caplog.text
     assert out["last"]["monitor/gold_drop"] == 0.0
+
+
+def test_exporting_into_the_current_folder_is_refused_in_one_line(tmp_path, monkeypatch):
+    # `rlhflab export RUN .` ended in "ValueError: PosixPath('.') has an empty name"
+    from rlhflab.models.export import ExportError, check_out_dir, save_policy
+
+    here = tmp_path / "empty"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    for out, said in ((".", "is the current folder;"), ("..", "is the current folder or holds")):
+        with pytest.raises(ExportError, match=said):
+            check_out_dir(Path(out), force=True)
+    with pytest.raises(ExportError, match="is the current folder;"):
+        save_policy(None, None, ".", force=True)  # trainer.save("."): before the model
+    assert here.is_dir() and not any(here.iterdir())

@@ -54,6 +54,13 @@ def check_out_dir(
                 "is made from; "
                 "choose another folder"
             )
+    cwd = Path.cwd().resolve()
+    if here == cwd or here in cwd.parents:
+        # the export replaces the folder whole: the shell would be left in a deleted one
+        raise error(
+            f"{out}: is the current folder{'' if here == cwd else ' or holds it'}; name a "
+            "folder to create, e.g. ./model"
+        )
     if out.exists() and not out.is_dir():
         raise error(f"{out}: exists and is not a folder")
     if out.is_dir() and any(out.iterdir()) and not force:
@@ -216,7 +223,7 @@ def save_policy(
     them as they are (fp32 for weights rlhflab trained). ``out_dir`` must be absent or empty
     unless ``force``; it is replaced only once the new folder is whole. The model is not
     changed (nor moved off its device)."""
-    out, dtype = Path(out_dir).expanduser(), _dtype(dtype)
+    out, dtype = Path(out_dir).expanduser().absolute(), _dtype(dtype)
     check_out_dir(out, force, protect=protect)
     lm = unwrap_policy(lm)
     with building_folder(out) as tmp:
