@@ -63,7 +63,7 @@ def test_lengths_past_the_policys_positions_are_refused_before_any_model_loads(
     cfg = load_config(
         overrides=[REWARD, "model.policy=preset:nano", "rollout.max_prompt_tokens=20000"]
     )
-    with pytest.raises(ConfigError, match=r"rollout.max_new_tokens: .* exceeds the model's"):
+    with pytest.raises(ConfigError, match=r"rollout.max_prompt_tokens: .* exceeds the model.s"):
         ppo.PPOTrainer(cfg)
 
 

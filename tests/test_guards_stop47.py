@@ -183,3 +183,49 @@ def test_exporting_into_the_current_folder_is_refused_in_one_line(tmp_path, monk
     with pytest.raises(ExportError, match="is the current folder;"):
         save_policy(None, None, ".", force=True)  # trainer.save("."): before the model
     assert here.is_dir() and not any(here.iterdir())
+
+
+def test_an_sft_row_without_its_answer_field_says_missing_not_empty():
+    from rlhflab import DataError
+    from rlhflab.experience.data import sft_pair
+
+    with pytest.raises(DataError, match=r"f.jsonl:1: missing field 'completion' \(or 'response'\)"):
+        sft_pair({"prompt": "What is 1 + 2?", "answer": "3"}, None, "f.jsonl:1")
+    with pytest.raises(DataError, match=r"missing field 'prompt' \(or 'messages'\)"):
+        sft_pair({"question": "What is 1 + 2?", "response": "3"}, None, "f.jsonl:1")
+    with pytest.raises(DataError, match="field 'response' must be a non-empty string"):
+        sft_pair({"prompt": "What is 1 + 2?", "response": " "}, None, "f.jsonl:1")
+
+
+def test_a_model_path_that_does_not_exist_or_is_an_adapter_is_named_so(tmp_path, monkeypatch):
+    import json
+
+    from rlhflab.models import ModelLoadError
+    from rlhflab.models.loading import resolve_path
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelLoadError, match=f"does not exist .*looked for at {tmp_path}/typo"):
+        resolve_path("typo", "model.policy")
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "/m"}))
+    with pytest.raises(ModelLoadError, match="is a LoRA adapter .*its base model is '/m'"):
+        resolve_path(str(adapter), "model.policy")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match=r"not a local Hugging Face model folder"):
+        resolve_path("empty", "model.policy")
+
+
+def test_a_gpt2_row_too_long_is_not_told_of_max_position_embeddings(monkeypatch):
+    import rlhflab.experience.data as data
+    from rlhflab import DataError
+
+    class Tok:  # one token a word
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": text.split()}
+
+    monkeypatch.setattr(data, "encode_prompt", lambda tok, text: text.split())
+    with pytest.raises(DataError) as err:
+        data.check_fits(Tok(), 4, "f.jsonl:2", "a b c", {"response": "d e"})
+    assert "over the 4 positions" in str(err.value)
+    assert "max_position_embeddings" not in str(err.value)  # GPT-2 calls it n_positions

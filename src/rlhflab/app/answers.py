@@ -162,7 +162,7 @@ def _check_room(src: PolicySource, prompts: list[str], max_new_tokens: int) -> N
         raise ConfigError(
             f"rollout.max_new_tokens: the longest prompt ({longest} tokens) + "
             f"max_new_tokens ({max_new_tokens}) = {longest + max_new_tokens} exceeds the "
-            f"model's {limit} positions (max_position_embeddings); lower "
+            f"model's {limit} positions (the position limit of its config.json); lower "
             "rollout.max_new_tokens or shorten the prompts"
         )
 

@@ -156,6 +156,10 @@ def sft_pair(row: dict, tokenizer, where: str) -> tuple[str, str]:
         answer = chat.answer_messages(answer, where, key)
         text, (response,) = chat.render_answers(prompt, [answer], tokenizer, where, (key,))
         return text, response
+    if prompt is None and "prompt" not in row:
+        raise DataError(f"{where}: missing field 'prompt' (or 'messages')")
+    if answer is None and key not in row:
+        raise DataError(f"{where}: missing field 'completion' (or 'response')")
     for name, value in (("prompt", prompt), (key, answer)):
         if isinstance(value, list):
             raise DataError(
@@ -192,7 +196,7 @@ def check_fits(tokenizer, limit: int | None, where: str, prompt: str, answers: d
         if n > limit:
             raise DataError(
                 f"{where}: prompt + '{name}' + EOS is {n} tokens, over the {limit} positions "
-                "of the model (its config.json's max_position_embeddings): a shorter row "
+                "of the model (the position limit of its config.json): a shorter row "
                 "or a model with more positions"
             )
 

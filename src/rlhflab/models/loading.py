@@ -76,6 +76,23 @@ def resolve_path(spec: str, field: str = "model") -> Path:
             f"{field}: {spec!r} is a file, not a model folder"
             + (f"; give {where}" if where else " (a folder holding config.json and the weights)")
         )
+    if not path.exists():
+        relative = "" if Path(spec).expanduser().is_absolute() else f", looked for at {path}"
+        raise ModelLoadError(
+            f"{field}: {spec!r} does not exist (no such folder{relative}); rlhflab never "
+            "downloads at run time — use preset:NAME or a saved folder"
+        )
+    adapter = path / "adapter_config.json"
+    if adapter.is_file() and not (path / "config.json").exists():
+        try:
+            base = json.loads(adapter.read_text()).get("base_model_name_or_path")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+            base = None
+        raise ModelLoadError(
+            f"{field}: {spec!r} is a LoRA adapter (adapter_config.json), not a whole model"
+            + (f"; its base model is {base!r}" if base else "")
+            + ": give a merged model folder (rlhflab export merges by default)"
+        )
     if not (path / "config.json").exists():
         raise ModelLoadError(
             f"{field}: {spec!r} is not a local Hugging Face model folder (no config.json); "

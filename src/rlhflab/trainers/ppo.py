@@ -134,10 +134,11 @@ class PPOTrainer:
     def _check_batch(self, limit: int | None) -> None:
         r = self.cfg.rollout
         if limit is not None and r.max_prompt_tokens + r.max_new_tokens > limit:
+            who = "max_prompt_tokens" if r.max_prompt_tokens >= limit else "max_new_tokens"
             raise ConfigError(
-                f"rollout.max_new_tokens: max_prompt_tokens + max_new_tokens = "
-                f"{r.max_prompt_tokens + r.max_new_tokens} exceeds the model's "
-                f"max_position_embeddings ({limit})"
+                f"rollout.{who}: rollout.max_prompt_tokens + rollout.max_new_tokens = "
+                f"{r.max_prompt_tokens + r.max_new_tokens} exceeds the model's {limit} "
+                "positions (the position limit of its config.json); lower one of them"
             )
 
     def step(self) -> dict[str, float]:
