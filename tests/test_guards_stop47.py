@@ -229,3 +229,23 @@ def test_a_gpt2_row_too_long_is_not_told_of_max_position_embeddings(monkeypatch)
         data.check_fits(Tok(), 4, "f.jsonl:2", "a b c", {"response": "d e"})
     assert "over the 4 positions" in str(err.value)
     assert "max_position_embeddings" not in str(err.value)  # GPT-2 calls it n_positions
+
+
+def test_a_misspelt_chat_role_is_named_with_its_row_and_message():
+    # a prompt row's role 'usr' rendered as "<|im_start|>usr": a turn of nobody's
+    from rlhflab import DataError
+    from rlhflab.experience.chat import render_prompt
+
+    class Tok:
+        chat_template = "{% for m in messages %}<|im_start|>{{ m['role'] }}{% endfor %}"
+
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+            return "".join(f"<|im_start|>{m['role']}\\n{m['content']}" for m in messages)
+
+    ok = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1 + 2?"}]
+    assert render_prompt(ok, Tok(), "p.jsonl:1", "messages").endswith("1 + 2?")
+    bad = [ok[0], {"role": "usr", "content": "1 + 2?"}]
+    with pytest.raises(DataError, match=r"p.jsonl:3: field 'messages': message 2's role 'usr'"):
+        render_prompt(bad, Tok(), "p.jsonl:3", "messages")
+    Tok.chat_template += "{% if m['role'] == 'model' %}{% endif %}"  # a role it names
+    render_prompt([{"role": "model", "content": "x"}], Tok(), "p.jsonl:4", "messages")

@@ -160,6 +160,7 @@ def _template(tokenizer, messages: list[dict], where: str, field: str, generatio
             f"{where}: field '{field}' holds chat messages, which need a tokenizer with a "
             "chat template"
         )
+    _check_roles(messages, str(tokenizer.chat_template), where, field)
     try:
         return tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=generation
@@ -168,3 +169,21 @@ def _template(tokenizer, messages: list[dict], where: str, field: str, generatio
         raise DataError(
             f"{where}: field '{field}': the chat template failed ({type(exc).__name__}: {exc})"
         ) from None
+
+
+# the roles chat templates are written for; ChatML-style templates print any role as a
+# header, so a misspelt one ('usr') became a turn of nobody's, silently
+KNOWN_ROLES = ("system", "user", "assistant", "tool", "developer", "function", "ipython")
+
+
+def _check_roles(messages: list[dict], template: str, where: str, field: str) -> None:
+    """Each message's role is a known one or a role the template itself names in quotes
+    (Gemma's 'model', say)."""
+    for i, m in enumerate(messages, start=1):
+        role = m["role"]
+        if role in KNOWN_ROLES or f"'{role}'" in template or f'"{role}"' in template:
+            continue
+        raise DataError(
+            f"{where}: field '{field}': message {i}'s role {role!r} is none of "
+            f"{', '.join(KNOWN_ROLES)}, nor one the chat template names"
+        )
