@@ -249,3 +249,13 @@ def test_a_misspelt_chat_role_is_named_with_its_row_and_message():
         render_prompt(bad, Tok(), "p.jsonl:3", "messages")
     Tok.chat_template += "{% if m['role'] == 'model' %}{% endif %}"  # a role it names
     render_prompt([{"role": "model", "content": "x"}], Tok(), "p.jsonl:4", "messages")
+
+
+def test_the_gold_agreement_warning_says_how_many_pairs_it_rests_on():
+    from rlhflab.diagnostics.rm_checks import gold_warning
+
+    one = gold_warning({"accuracy": 0.0, "pairs": 1})
+    assert "on 0% of 1 held-out pair (chance" in one and "1 pair says little" in one
+    many = gold_warning({"accuracy": 0.3, "pairs": 400})
+    assert "on 30% of 400 held-out pairs" in many and "little" not in many
+    assert gold_warning({"accuracy": 0.9, "pairs": 3}) is None

@@ -154,8 +154,25 @@ def gold_warning(reward_vs_gold: dict[str, float]) -> str | None:
     agreement = reward_vs_gold.get("accuracy", math.nan)
     if not agreement < GOLD_AGREEMENT_WARNING:
         return None
+    n = reward_vs_gold.get("pairs")
+    of = "held-out pairs" if n is None else f"{n} held-out pair{'' if n == 1 else 's'}"
     return (
         f"the reward PPO will optimise agrees with the gold reward on {100 * agreement:.0f}% "
-        "of held-out pairs (chance: 50%): PPO against it can raise the proxy score while the "
+        f"of {of} (chance: 50%): PPO against it can raise the proxy score while the "
         "gold reward stalls or falls; watch monitor/gold and the gold_drop alert"
+        + (few_pairs(n) if n is not None else "")
+    )
+
+
+# held-out pairs below which a share of them is mostly chance (one pair: 0 % or 100 %)
+FEW_PAIRS = 30
+
+
+def few_pairs(n: int) -> str:
+    """What to add to a warning drawn from ``n`` held-out pairs when they are few."""
+    if n >= FEW_PAIRS:
+        return ""
+    return (
+        f" — but {n} pair{' says' if n == 1 else 's say'} little either way: hold out more "
+        "(rm.heldout_fraction, or more pairs)"
     )
