@@ -259,3 +259,17 @@ def test_the_gold_agreement_warning_says_how_many_pairs_it_rests_on():
     many = gold_warning({"accuracy": 0.3, "pairs": 400})
     assert "on 30% of 400 held-out pairs" in many and "little" not in many
     assert gold_warning({"accuracy": 0.9, "pairs": 3}) is None
+
+
+def test_a_two_iteration_run_s_alerts_are_hints_not_a_hacking_verdict():
+    # 2 iterations × 4 answers got "needs a look — signs of a gamed reward" from one
+    # reward–length correlation, where a 3-iteration run without alerts got "too short"
+    from rlhflab.app.report_parts import verdict
+
+    rows = [{"iteration": i, "objective/scores": 0.5, "objective/kl": 0.0} for i in (1, 2)]
+    alert = {"iteration": 2, "signal": "reward_length_corr", "value": 0.9}
+    short = verdict(rows, [alert], {}, None)
+    assert "alerts</span>" in short and "needs a look" not in short
+    assert "hints to look at, not a verdict" in short and "reward_length_corr" in short
+    long = [{"iteration": i, "objective/scores": 0.5, "objective/kl": 0.0} for i in range(1, 9)]
+    assert "signs of a gamed reward: reward_length_corr" in verdict(long, [alert], {}, None)

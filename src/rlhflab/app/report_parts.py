@@ -114,7 +114,9 @@ def verdict(rows: list[dict], alerts: list[dict], story: dict, summary: dict | N
             + esc(", ".join(names))
         )
         hacking = [n for n in names if n in HACKING_SIGNALS]
-        if hacking:
+        # a run too short to judge gets no hacking verdict from signals of a few batches
+        # (a reward–length correlation over 4 answers); its alerts stay in the facts
+        if hacking and len(rows) >= TOO_FEW_TO_JUDGE:
             worries.append(
                 "The monitor flagged signs of a gamed reward: " + esc(", ".join(hacking)) + "."
             )
@@ -179,7 +181,9 @@ def verdict(rows: list[dict], alerts: list[dict], story: dict, summary: dict | N
         tone = "warn" if alerts else "short"
         sentence = (
             f"<p class='say'>Too few iterations ({len(rows)}) to judge the run: a trend in "
-            "the gold or proxy reward needs more batches than this.</p>"
+            "the gold or proxy reward needs more batches than this"
+            + (", and alerts on so few batches are hints to look at, not a verdict" * bool(alerts))
+            + ".</p>"
         )
     elif story:
         tone = "warn" if alerts else "good"
