@@ -273,3 +273,17 @@ def test_a_two_iteration_run_s_alerts_are_hints_not_a_hacking_verdict():
     assert "hints to look at, not a verdict" in short and "reward_length_corr" in short
     long = [{"iteration": i, "objective/scores": 0.5, "objective/kl": 0.0} for i in range(1, 9)]
     assert "signs of a gamed reward: reward_length_corr" in verdict(long, [alert], {}, None)
+
+
+def test_a_warm_up_longer_than_the_run_is_said(tmp_path, caplog):
+    # sft.steps=3 under the default 30 warm-up steps trained at 3-10 % of sft.lr, unsaid
+    import rlhflab
+
+    with caplog.at_level(logging.WARNING, logger="rlhflab.trainers.common"):
+        rlhflab.SFTTrainer("preset:nano", output_dir=tmp_path / "sft", overrides={"sft.steps": 3})
+    assert "sft.warmup_steps=30 is more than the run's 3 optimiser steps" in caplog.text
+    assert "ends at 10% of sft.lr" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="rlhflab.trainers.common"):
+        rlhflab.SFTTrainer("preset:nano", output_dir=tmp_path / "ok", overrides={"sft.steps": 30})
+    assert "warmup_steps" not in caplog.text

@@ -107,7 +107,7 @@ class DPOTrainer:
             self.ref_rejected = self._answer_logprobs(self.reference, self.prompts, self.rejected)
         params = [q for q in self.policy.parameters() if q.requires_grad]
         self.opt = build_optimizer_simple(params, d.lr)
-        self.sched = build_scheduler(self.opt, d.warmup_steps, d.steps, "constant")
+        self.sched = build_scheduler(self.opt, d.warmup_steps, d.steps, "constant", "dpo")
         self.scaler = LossScaler.for_model(mc)  # model.compute_dtype=fp16's loss scale
         self.gens = {"batch": torch.Generator().manual_seed(cfg.seed)}
         self.iteration = 0

@@ -103,7 +103,7 @@ class SupervisedTrainer:
         self.n_examples, self.batch_loss = n_examples, batch_loss
         s = self.section
         self.opt = build_optimizer_simple(model.parameters(), s.lr)
-        self.sched = build_scheduler(self.opt, s.warmup_steps, s.steps, "cosine")
+        self.sched = build_scheduler(self.opt, s.warmup_steps, s.steps, "cosine", stage)
         self.scaler = LossScaler.for_model(cfg.model)  # model.compute_dtype=fp16's loss scale
         self.gens = {"batch": torch.Generator().manual_seed(cfg.seed)}
         self.out = Path(s.output_dir)

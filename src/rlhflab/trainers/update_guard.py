@@ -49,7 +49,7 @@ class GuardedUpdate:
         if cast.shared:
             groups.append({"params": list(cast.policy.value_head.parameters()), "lr": p.critic_lr})
         self.opt = build_optimizer(groups, p)
-        self.sched = build_scheduler(self.opt, p.warmup_steps, total_steps, p.lr_schedule)
+        self.sched = build_scheduler(self.opt, p.warmup_steps, total_steps, p.lr_schedule, "ppo")
         self.critic_opt = self.critic_sched = None
         if cast.critic is not None:
             critic = [q for q in cast.critic.parameters() if q.requires_grad]  # LoRA: a few
