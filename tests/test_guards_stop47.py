@@ -287,3 +287,25 @@ def test_a_warm_up_longer_than_the_run_is_said(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="rlhflab.trainers.common"):
         rlhflab.SFTTrainer("preset:nano", output_dir=tmp_path / "ok", overrides={"sft.steps": 30})
     assert "warmup_steps" not in caplog.text
+
+
+def test_a_callback_that_writes_into_its_metrics_changes_no_record(tmp_path):
+    # it changed the summary train() returns (999.0) but not metrics.jsonl (1.5)
+    import json
+
+    import rlhflab
+
+    def meddle(trainer, step, metrics):
+        metrics["objective/scores"] = 999.0
+
+    t = rlhflab.PPOTrainer(
+        "preset:nano",
+        reward=lambda p, r: [1.5] * len(r),
+        prompts=["a b", "c d"],
+        output_dir=tmp_path / "ppo",
+        overrides={"ppo.iterations": 1, "rollout.prompts_per_iteration": 2, "log.progress": False},
+        callbacks=[meddle],
+    )
+    out = t.train()
+    logged = [json.loads(x) for x in (tmp_path / "ppo" / "metrics.jsonl").open()]
+    assert out["last"]["objective/scores"] == logged[-1]["objective/scores"] == 1.5

@@ -389,8 +389,10 @@ def _every_rank_here() -> None:  # under torchrun (nothing without a process gro
 
 
 def _hooks_stop(job: Job, metrics: dict) -> str | None:
-    """Run the job's step hooks; the stop reason when one of them asks to stop."""
+    """Run the job's step hooks; the stop reason when one of them asks to stop (returns
+    a true value). Each gets its own copy of the logged metrics: one that wrote into them
+    changed the summary ``train()`` returns but not metrics.jsonl."""
     for hook in getattr(job, "step_hooks", ()):
-        if hook(job.iteration, metrics):
+        if hook(job.iteration, dict(metrics)):
             return f"a callback ({getattr(hook, '__name__', hook)}) asked to stop"
     return None
