@@ -309,3 +309,15 @@ def test_a_callback_that_writes_into_its_metrics_changes_no_record(tmp_path):
     out = t.train()
     logged = [json.loads(x) for x in (tmp_path / "ppo" / "metrics.jsonl").open()]
     assert out["last"]["objective/scores"] == logged[-1]["objective/scores"] == 1.5
+
+
+def test_a_relative_data_path_that_is_missing_names_the_working_directory(tmp_path, monkeypatch):
+    # a --config file's relative paths are read from the working directory, not its folder
+    from rlhflab import DataError
+    from rlhflab.experience.rows import open_rows
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DataError, match=f"prompts.jsonl: no such file .*directory {tmp_path}"):
+        open_rows("prompts.jsonl")
+    with pytest.raises(DataError, match=r"/nowhere/p.jsonl: no such file$"):
+        open_rows("/nowhere/p.jsonl")

@@ -62,7 +62,10 @@ def open_rows(source, split: str = "train") -> Rows:
         )
     path = Path(source)
     if not path.exists():
-        raise DataError(f"{path}: no such file")
+        # a config file's relative paths are read from the working directory, not the
+        # file's folder: the usual cause when a run started elsewhere
+        where = "" if path.is_absolute() else f" (relative to the working directory {Path.cwd()})"
+        raise DataError(f"{path}: no such file{where}")
     if path.is_dir():
         return _folder_rows(path, split)
     suffix = path.suffix.lower()

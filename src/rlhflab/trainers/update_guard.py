@@ -199,5 +199,6 @@ class GuardedUpdate:
             raise halt.error(
                 self.iteration + 1,
                 f"{cause} in {self.consecutive_bad} updates in a row",
-                ", use reward.clip, or check the reward function for NaN/inf",
+                ", scale the reward down or set reward.normalize (with reward.clip), or check "
+                "the reward function for NaN/inf",
             )
