@@ -321,3 +321,13 @@ def test_a_relative_data_path_that_is_missing_names_the_working_directory(tmp_pa
         open_rows("prompts.jsonl")
     with pytest.raises(DataError, match=r"/nowhere/p.jsonl: no such file$"):
         open_rows("/nowhere/p.jsonl")
+
+
+def test_a_reward_module_not_found_says_where_it_was_looked_for(tmp_path, monkeypatch):
+    # `rlhflab ppo --resume` from another folder: "No module named 'rmod'" and no more
+    from rlhflab import RewardError
+    from rlhflab.experience.rewards import FunctionReward
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RewardError, match=f"working directory {tmp_path}.*PYTHONPATH"):
+        FunctionReward("rmod_nowhere:score")

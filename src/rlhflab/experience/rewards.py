@@ -283,7 +283,9 @@ class FunctionReward(CallableReward):
             module = importlib.import_module(MOVED_MODULES.get(module_name, module_name))
         except ImportError as exc:
             raise RewardError(
-                f"reward function {spec!r}: cannot import {module_name}: {exc}"
+                f"reward function {spec!r}: cannot import {module_name}: {exc} (modules are "
+                f"looked for on sys.path and in the working directory {cwd}: start from the "
+                "folder that holds it, or add that folder to PYTHONPATH)"
             ) from None
         except Exception as exc:  # the module's own code failed: a syntax error, a raise
             raise RewardError(
