@@ -2,6 +2,7 @@
 
 import io
 import logging
+import math
 from pathlib import Path
 
 import pytest
@@ -42,16 +43,21 @@ def test_an_int8_reference_that_parts_from_the_unchanged_policy_is_named(caplog)
     # an int8 SmolLM2-135M reference: KL 9.5 nats on a 5-token answer at iteration 1, silently
     far = _rollout([[-1.0, -2.0, 0.0]], [[-2.5, -0.5, 9.0]], [[1, 1, 0]])  # padding ignored
     with caplog.at_level(logging.WARNING):
-        gap = ppo_guards.warn_reference_gap(far, "int8", 0)
+        gap = ppo_guards.warn_reference_gap(far, "int8", 0, 0.05)
     assert gap == pytest.approx(1.5)
     said = caplog.text
     assert "model.reference_precision=int8" in said and "1.5 nats a token" in said
-    assert "KL 0 nats an answer" in said and "use bf16" in said  # (+1.5 − 1.5): k1 sums
+    assert "k1 KL estimate +0 nats an answer" in said  # (+1.5 − 1.5): the gap is not the k1
+    assert "the KL penalty will push" in said and "use bf16" in said
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        ppo_guards.warn_reference_gap(far, "int8", 0, 0.0)
+    assert "the penalty itself is off: β = 0" in caplog.text
     caplog.clear()
     near = _rollout([[-1.0, -2.0]], [[-1.03, -1.98]], [[1, 1]])
     with caplog.at_level(logging.WARNING):
-        assert ppo_guards.warn_reference_gap(near, "bf16", 0) == pytest.approx(0.025)
-        assert ppo_guards.warn_reference_gap(far, "int8", 1) is None  # the policy has moved
+        assert ppo_guards.warn_reference_gap(near, "bf16", 0, 0.05) == pytest.approx(0.025)
+        assert ppo_guards.warn_reference_gap(far, "int8", 1, 0.05) is None  # moved on
     assert caplog.text == ""
 
 
@@ -75,8 +81,7 @@ def test_the_first_iteration_of_a_ppo_run_checks_the_reference_gap(tmp_path, mon
         assert "at the first iteration" in caplog.text
         assert "the policy and the reference compute" in caplog.text  # fp32: not a precision
         caplog.clear()
-        t.iteration = 1
-        t.step()
+        t.step()  # step() called again at iteration 0 (no RunLoop): said once
     assert "at the first iteration" not in caplog.text
 
 
@@ -101,6 +106,39 @@ def test_the_python_reward_trainer_trains_an_ensemble_as_the_command_does(tmp_pa
 
     a, b = (load_file(f / "model.safetensors") for f in folders)
     assert any(not torch.equal(a[k], b[k]) for k in a)  # seed + i: two models
+
+
+def test_a_callback_s_stop_ends_the_whole_ensemble(tmp_path, caplog):
+    import rlhflab
+
+    r = rlhflab.RewardTrainer(
+        "preset:nano",
+        output_dir=tmp_path / "rm",
+        overrides={"rm.steps": 3, "rm.ensemble_size": 3, "rm.pairs": 32, "log.progress": False},
+        callbacks=[lambda trainer, step, metrics: True],
+    )
+    with caplog.at_level(logging.WARNING, logger="rlhflab.app.api"):
+        out = r.train()
+    assert out["ensemble"] == [str(tmp_path / "rm" / "member-0")]
+    assert "stopped after member 0" in caplog.text
+    assert not (tmp_path / "rm" / "member-1").exists()
+
+
+def test_a_python_ensemble_resumes_on_the_pairs_it_was_given(tmp_path):
+    # the resume read run/config.yaml, which an ensemble never writes: built-in pairs, four
+    # heads, and a checkpoint of another shape
+    import rlhflab
+
+    pairs = [(f"Say {w}.", w, f"{w} {w} no") for w in ("yes", "hi", "ok", "go", "up", "on")] * 3
+    over = {"rm.steps": 2, "rm.ensemble_size": 2, "log.progress": False}
+    first = rlhflab.RewardTrainer("preset:nano", pairs, output_dir=tmp_path / "rm", overrides=over)
+    done = first.train()
+    again = rlhflab.RewardTrainer(
+        "preset:nano", output_dir=tmp_path / "rm", overrides=over, resume=True
+    )
+    assert again.config.rm.data == first.config.rm.data
+    out = again.train()
+    assert out["ensemble"] == done["ensemble"] and out["heldout_pairs"] == done["heldout_pairs"]
 
 
 def test_plain_pairs_train_a_preference_head_under_the_default_heads(tmp_path, caplog):
@@ -271,6 +309,8 @@ def test_a_two_iteration_run_s_alerts_are_hints_not_a_hacking_verdict():
     short = verdict(rows, [alert], {}, None)
     assert "alerts</span>" in short and "needs a look" not in short
     assert "hints to look at, not a verdict" in short and "reward_length_corr" in short
+    stop = "iteration 2: monitor 'reward_length_corr' = 0.9 crossed 0.5 (monitor.response=stop)"
+    assert "signs of a gamed reward" in verdict(rows, [alert], {}, None, stop)
     long = [{"iteration": i, "objective/scores": 0.5, "objective/kl": 0.0} for i in range(1, 9)]
     assert "signs of a gamed reward: reward_length_corr" in verdict(long, [alert], {}, None)
 
@@ -331,3 +371,17 @@ def test_a_reward_module_not_found_says_where_it_was_looked_for(tmp_path, monkey
     monkeypatch.chdir(tmp_path)
     with pytest.raises(RewardError, match=f"working directory {tmp_path}.*PYTHONPATH"):
         FunctionReward("rmod_nowhere:score")
+
+
+def test_the_gold_mean_over_ranks_keeps_the_finite_scores_of_every_rank():
+    # each rank's own mean averaged: a rank with only NaN made the global mean NaN
+    from rlhflab.diagnostics.monitor import finite_mean
+
+    other_rank = {"sum": 4.0, "count": 2.0}  # [1.0, 3.0]
+
+    def mean_over_ranks(mine):
+        return {k: (mine[k] + other_rank[k]) / 2 for k in mine}
+
+    assert finite_mean(torch.tensor([float("nan")] * 2), mean_over_ranks) == 2.0
+    assert finite_mean(torch.tensor([5.0, float("inf")]), mean_over_ranks) == 3.0
+    assert math.isnan(finite_mean(torch.tensor([float("nan")])))

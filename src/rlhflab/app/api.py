@@ -18,6 +18,7 @@ drives is ``trainer.engine`` (the one the command runs).
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,6 +34,8 @@ from rlhflab.app.api_config import (
 )
 from rlhflab.config import ConfigError
 from rlhflab.trainers.supervised import check_output_folder
+
+log = logging.getLogger(__name__)
 
 # callback(trainer, step, metrics) after every logged step; a true return stops the run there
 Callback = Callable[["Trainer", int, dict], object]
@@ -259,9 +262,10 @@ class _ModelOut(Trainer):
     """SFT and RM write their model folder (``<stage>.output_dir``) at the end; their run
     files (and ``inputs/``) sit in its ``run/`` folder."""
 
-    def _setup(self, output_dir, model, tokenizer, resume, current):
+    def _setup(self, output_dir, model, tokenizer, resume, current, run="run"):
         """(the inputs folder, the model setting): ``current`` (the config's) when ``model``
-        is None."""
+        is None. ``run``: the folder, inside the output folder, of the config.yaml a resume
+        reads (an ensemble's member 0's); inputs/ is in ``run/`` all the same."""
         section = getattr(self.config, self.stage)
         if output_dir is not None:
             section.output_dir = str(output_dir)
@@ -269,7 +273,8 @@ class _ModelOut(Trainer):
         check_folder(section.output_dir, f"{self.stage}.output_dir")
         section.output_dir = absolute_folder(section.output_dir)
         check_output_folder(self.config, self.stage, Path(section.output_dir))
-        inputs = RI.inputs_folder(Path(section.output_dir) / "run", resume)
+        out = Path(section.output_dir)
+        inputs = RI.inputs_folder(out / "run", resume, out / run)
         if model is None:
             return inputs, current
         return inputs, I.model_folder(model, tokenizer, inputs / "model", "model", resume)
@@ -328,7 +333,8 @@ class RewardTrainer(_ModelOut):
     With ``rm.ensemble_size=k``, as the command: k models one after another, member i in
     ``output_dir``/member-i with seed + i; ``train()`` returns member 0's result with
     ``members`` and ``ensemble`` (their folders, for ``reward.ensemble``), and ``model``
-    is then the member trained last."""
+    is then the member trained last. A callback's stop ends the ensemble there; a
+    ``train()`` that failed goes on from the member it failed in."""
 
     stage = "rm"
 
@@ -346,30 +352,47 @@ class RewardTrainer(_ModelOut):
     ):
         super().__init__(config, overrides, callbacks, resume)
         cfg = self.config
-        inputs, cfg.rm.init = self._setup(output_dir, model, tokenizer, resume, cfg.rm.init)
+        k = cfg.rm.ensemble_size
+        # where a resume finds the config.yaml naming the run's data: member 0's for an
+        # ensemble (the run/ folder beside the members holds only their inputs)
+        run = "member-0/run" if k > 1 else "run"
+        inputs, cfg.rm.init = self._setup(output_dir, model, tokenizer, resume, cfg.rm.init, run)
         split = cfg.data.split
         rows = I.rows_file(pairs, inputs / "pairs.jsonl", "pairs", split, I.pair_row)
-        RI.set_data(cfg, rows, "rm.data", Path(cfg.rm.output_dir) / "run", resume)
+        RI.set_data(cfg, rows, "rm.data", Path(cfg.rm.output_dir) / run, resume)
         validate(cfg, self.stage)
         from rlhflab.trainers.rm import member_configs, rm_trainer
 
         # an ensemble's members are built one at a time as they train (one model in memory)
-        first, *self._members = member_configs(cfg) if cfg.rm.ensemble_size > 1 else [cfg]
-        self._start(rm_trainer(first))
+        self._members = member_configs(cfg) if k > 1 else [cfg]
+        self._results: list[dict] = []  # of the members trained so far, in order
+        self._start(rm_trainer(self._members[0]))
+        self._engine_of = 0  # the member self.engine trains
 
     def _train(self, resume: bool) -> dict:
         from rlhflab.trainers.rm import ensemble_result, rm_trainer, run_rm
 
-        first = run_rm(self.engine, resume)
-        if not self._members:
-            return first
-        results = [first]
-        for member in self._members:
-            self.engine = None  # the last member's model is freed before the next loads
-            self._start(rm_trainer(member))
-            results.append(run_rm(self.engine, resume))
-        self._members = []  # trained: a second train() is the engine's own refusal
-        return ensemble_result(results)
+        if len(self._members) == 1:
+            return run_rm(self.engine, resume)
+        while len(self._results) < len(self._members):
+            i = len(self._results)
+            if self._engine_of != i:  # the last member's model is freed before the next loads
+                self.engine, self._engine_of = None, None
+                self._start(rm_trainer(self._members[i]))
+                self._engine_of = i
+            self._results.append(run_rm(self.engine, resume))
+            reason = self._results[-1].get("stop_reason")
+            if reason and i + 1 < len(self._members):
+                log.warning(
+                    "rm.ensemble_size=%d: stopped after member %d (%s); the ensemble has "
+                    "the %d members trained",
+                    len(self._members),
+                    i,
+                    reason,
+                    i + 1,
+                )
+                break
+        return ensemble_result(self._results)
 
 
 __all__ = [

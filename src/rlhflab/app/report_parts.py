@@ -66,7 +66,13 @@ def _signed(v: float) -> str:
 
 # Long (about 70 lines) because it is one paragraph of findings in reading order, each
 # line from one source (gold story, proxy, held-out evaluation, alerts, KL, fit).
-def verdict(rows: list[dict], alerts: list[dict], story: dict, summary: dict | None) -> str:
+def verdict(
+    rows: list[dict],
+    alerts: list[dict],
+    story: dict,
+    summary: dict | None,
+    stop_reason: str | None = None,
+) -> str:
     """The report's first block: what the run did to gold and proxy reward, its best
     iteration, its alerts, its final KL, the over-optimisation fit, and a plain sentence
     when reward hacking is suspected."""
@@ -115,8 +121,10 @@ def verdict(rows: list[dict], alerts: list[dict], story: dict, summary: dict | N
         )
         hacking = [n for n in names if n in HACKING_SIGNALS]
         # a run too short to judge gets no hacking verdict from signals of a few batches
-        # (a reward–length correlation over 4 answers); its alerts stay in the facts
-        if hacking and len(rows) >= TOO_FEW_TO_JUDGE:
+        # (a reward–length correlation over 4 answers; its alerts stay in the facts) —
+        # unless the monitor stopped it for them (monitor.response=stop), which is one
+        stopped = "(monitor.response=stop)" in (stop_reason or "")
+        if hacking and (len(rows) >= TOO_FEW_TO_JUDGE or stopped):
             worries.append(
                 "The monitor flagged signs of a gamed reward: " + esc(", ".join(hacking)) + "."
             )

@@ -14,18 +14,20 @@ from rlhflab.trainers.resume_checks import read_recorded_config
 log = logging.getLogger(__name__)
 
 
-def inputs_folder(parent: Path, resume: bool) -> Path:
+def inputs_folder(parent: Path, resume: bool, recorded: Path | None = None) -> Path:
     """Where this start writes what a Python caller passed as objects, in the run folder
     ``parent``: a resumed run, the folder its config.yaml names (the data it began with;
     else the newest); a fresh start, ``inputs/`` — or, where that holds an earlier start's
     files, ``inputs-<UTC time>/``: writing over them would change the data the earlier
     run's config.yaml names (its logs and checkpoints are set aside, not its inputs) and,
-    if this start never trains, that run's own, which a resume would then read."""
+    if this start never trains, that run's own, which a resume would then read.
+    ``recorded``: the folder of that config.yaml where it is not ``parent`` (an ensemble's
+    member 0)."""
     starts = sorted(
         p for p in parent.glob("inputs*") if p.is_dir() and p.name.split("-")[0] == "inputs"
     )
     if resume:  # the one the run's config.yaml names (a later refused start made another)
-        named = _named_inputs(parent, starts)
+        named = _named_inputs(recorded or parent, starts)
         return named or (starts[-1] if starts else parent / "inputs")
     first = parent / "inputs"
     if not first.is_dir() or not any(first.iterdir()):

@@ -206,7 +206,7 @@ class HackingMonitor:
         if self.gold_fn is not None:
             if gold is None:
                 gold = self.gold_of(rollout.prompts, rollout.responses)
-            gold = self.mean_over_ranks({"gold": finite_mean(gold)})["gold"]
+            gold = finite_mean(gold, self.mean_over_ranks)
             out["gold"] = float(gold)
             a = mc.smoothing
             proxy = metrics["objective/scores"]
@@ -230,14 +230,15 @@ class HackingMonitor:
             out["ensemble_spread"] = spread / st.initial_spread if st.initial_spread else 1.0
         return out
 
-    def gold_of(self, prompts: list[str], responses: list[str]) -> torch.Tensor:
+    def gold_of(self, prompts: list[str], responses: list[str], say: bool = True) -> torch.Tensor:
         """Each answer's gold reward (B,): the sum of the gold source's parts. Non-finite
-        scores are kept (NaN stays NaN in samples.jsonl) and said: :func:`finite_mean`
-        leaves them out of the gold mean, trend and best checkpoint."""
+        scores are kept (NaN stays NaN in samples.jsonl) and, with ``say`` (the batch's
+        answers, not the reference's samples), said: :func:`finite_mean` leaves them out
+        of the gold mean, trend and best checkpoint."""
         parts = self.gold_fn(RewardBatch(prompts, responses))
         gold = sum(parts.values()).float()
         bad = int((~torch.isfinite(gold)).sum())
-        if bad:
+        if bad and say:
             log.warning(
                 "monitor.gold: %d of %d gold scores are not finite (NaN or inf); %s",
                 bad,
@@ -291,7 +292,13 @@ def _baseline(kept: float | None, value: float) -> float | None:
     return value if math.isfinite(value) and value > 0 else None
 
 
-def finite_mean(values: torch.Tensor) -> float:
-    """The mean of the finite entries of ``values``; NaN when there are none."""
+def finite_mean(values: torch.Tensor, mean_over_ranks=None) -> float:
+    """The mean of the finite entries of ``values`` over every rank (``mean_over_ranks``:
+    a dict's values averaged over the ranks, a collective; None: this process alone); NaN
+    when there are none anywhere. Sums and counts are averaged, not each rank's mean, so a
+    rank with no finite score drops none of the others'."""
     finite = values[torch.isfinite(values)]
-    return float(finite.mean()) if finite.numel() else math.nan
+    total = {"sum": float(finite.double().sum()), "count": float(finite.numel())}
+    if mean_over_ranks is not None:
+        total = mean_over_ranks(total)
+    return total["sum"] / total["count"] if total["count"] > 0 else math.nan

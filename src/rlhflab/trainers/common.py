@@ -250,8 +250,10 @@ def progress(iterable, enabled: bool, desc: str, **kwargs):
         return iterable
     from tqdm.auto import tqdm
 
-    if not _stderr_is_terminal():
+    if not _stderr_is_terminal() and "ipykernel" not in sys.modules:  # a notebook's widget
+        # redraws in place; maxinterval too, or tqdm's monitor thread redraws every 10 s
         kwargs.setdefault("mininterval", NON_TTY_INTERVAL)
+        kwargs.setdefault("maxinterval", NON_TTY_INTERVAL)
     return tqdm(iterable, desc=desc, dynamic_ncols=True, **kwargs)
 
 

@@ -199,7 +199,8 @@ class PPOTrainer:
             self._score_unfilled_old_logprobs(rollout)
             kl = self._token_kl(rollout)
         times["time/train"] = time.perf_counter() - t0
-        guards.warn_reference_gap(rollout, self.cfg.model.reference_precision, self.iteration)
+        if not getattr(self, "_gap_said", False):  # once, however step() is called
+            self._gap_said = guards.reference_gap_checked(self, rollout, beta)
 
         # 9. metrics, the same on every rank, then the monitor's reaction to them (9b)
         metrics = self._metrics(rollout, raw_scores, kl, beta, train, adv.metrics, times)

@@ -113,36 +113,58 @@ _INT8_ADVICE = (
 
 
 @torch.no_grad()
-def warn_reference_gap(rollout: Rollout, precision: str, iteration: int) -> float | None:
+def warn_reference_gap(
+    rollout: Rollout, precision: str, iteration: int, beta: float, ctx=None
+) -> float | None:
     """At the first iteration of a fresh run the policy is still the model its reference
     was copied from, so their log-probs differ only by the reference's arithmetic
-    (model.reference_precision): say so when that gap is large enough to steer training,
-    since the KL penalty then pushes the policy against the reference's rounding from the
-    first update on (an int8 SmolLM2-135M: KL 8.7 nats on a 24-token answer). Returns
-    the gap (nats a token), or None after the first iteration."""
+    (model.reference_precision): say so (once, on the main rank) when that gap is large
+    enough to steer training, since the KL penalty then pushes the policy against the
+    reference's rounding from the first update on (an int8 SmolLM2-135M: 1.2 nats a
+    token). ``ctx``: the run's process context (the gap over every rank: a collective, so
+    every rank calls this alike). Returns the gap (nats a token), or None after the first
+    iteration."""
     if iteration != 0 or rollout.old_logprobs is None or rollout.ref_logprobs is None:
         return None
     mask = rollout.response_mask.bool()
-    if not bool(mask.any()):
+    diff = (rollout.old_logprobs - rollout.ref_logprobs).double()
+    totals = {
+        "abs": float(diff[mask].abs().sum()),
+        "k1": float(diff.masked_fill(~mask, 0.0).sum()),
+        "tokens": float(mask.sum()),
+        "answers": float(len(diff)),
+    }
+    if ctx is not None:
+        totals = ctx.mean_metrics(totals)
+    if not totals["tokens"]:
         return None
-    diff = (rollout.old_logprobs - rollout.ref_logprobs).float()
-    gap = float(diff[mask].abs().mean())
-    if gap > REFERENCE_GAP_WARN:
-        per_answer = float(diff.masked_fill(~mask, 0.0).sum(1).mean())
+    gap = totals["abs"] / totals["tokens"]
+    if gap > REFERENCE_GAP_WARN and (ctx is None or ctx.is_main):
         cause = (
             f"the reference's {precision} arithmetic"
             if precision != "fp32"
             else "a difference between how the policy and the reference compute"
         )
+        effect = (
+            "which the KL penalty will push the policy against from the first update on"
+            if beta > 0
+            else "which the logged KL carries (the penalty itself is off: β = 0)"
+        )
         log.warning(
             "model.reference_precision=%s: at the first iteration, where the policy is still "
             "the model its reference was copied from, their log-probs differ by %.3g nats a "
-            "token on average (KL %.3g nats an answer): %s, which the KL penalty will push "
-            "the policy against from the first update on%s",
+            "token on average (k1 KL estimate %+.3g nats an answer): %s, %s%s",
             precision,
             gap,
-            per_answer,
+            totals["k1"] / max(totals["answers"], 1.0),
             cause,
+            effect,
             f"; {_INT8_ADVICE}" if precision == "int8" else "",
         )
     return gap
+
+
+def reference_gap_checked(trainer, rollout: Rollout, beta: float) -> bool:
+    """:func:`warn_reference_gap` for ``trainer``'s iteration; True once it has run."""
+    precision = trainer.cfg.model.reference_precision
+    return warn_reference_gap(rollout, precision, trainer.iteration, beta, trainer.ctx) is not None

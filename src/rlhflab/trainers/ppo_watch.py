@@ -113,7 +113,7 @@ class PPOWatch:
         if self.monitor is None or self.monitor.gold_fn is None:
             return False
         self.last_gold = self.monitor.gold_of(rollout.prompts, rollout.responses)
-        mean = self.ctx.mean_metrics({"gold": finite_mean(self.last_gold)})["gold"]
+        mean = finite_mean(self.last_gold, self.ctx.mean_metrics)
         # NaN on any rank is NaN on every rank: all skip alike (a collective save may follow)
         return math.isfinite(mean) and self.best.update(mean, iteration)
 
@@ -257,7 +257,7 @@ class PPOWatch:
         with torch.no_grad():
             scored = self.cast.reward(batch)
         gold = (
-            self.monitor.gold_of(batch.prompts, batch.responses)
+            self.monitor.gold_of(batch.prompts, batch.responses, say=False)
             if self.last_gold is not None
             else None
         )

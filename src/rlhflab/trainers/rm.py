@@ -406,6 +406,7 @@ def run_rm(trainer: SupervisedTrainer, resume: bool = False) -> dict:
         "heldout_pairs": len(held),
         "loss_last": trainer.recent_loss(),
         "seconds": done.seconds,
+        "stop_reason": done.stop_reason,
         "output_dir": str(out),
     }
     log.info(
