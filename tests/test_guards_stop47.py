@@ -1,4 +1,5 @@
-"""Defects found from outside in stop 47, each pinned by a test that fails on the old code."""
+"""Defects found from outside in stop 47, each pinned by a test that fails on the old code
+(and a few guards of what a fix must leave as it was: labelled pairs, long runs' verdicts)."""
 
 import io
 import logging
@@ -231,6 +232,8 @@ def test_an_sft_row_without_its_answer_field_says_missing_not_empty():
         sft_pair({"prompt": "What is 1 + 2?", "answer": "3"}, None, "f.jsonl:1")
     with pytest.raises(DataError, match=r"missing field 'prompt' \(or 'messages'\)"):
         sft_pair({"question": "What is 1 + 2?", "response": "3"}, None, "f.jsonl:1")
+    with pytest.raises(DataError, match=r"f.jsonl:1: field 'messages' is empty"):
+        sft_pair({"messages": "", "response": "3"}, None, "f.jsonl:1")
     with pytest.raises(DataError, match="field 'response' must be a non-empty string"):
         sft_pair({"prompt": "What is 1 + 2?", "response": " "}, None, "f.jsonl:1")
 
@@ -287,6 +290,8 @@ def test_a_misspelt_chat_role_is_named_with_its_row_and_message():
         render_prompt(bad, Tok(), "p.jsonl:3", "messages")
     Tok.chat_template += "{% if m['role'] == 'model' %}{% endif %}"  # a role it names
     render_prompt([{"role": "model", "content": "x"}], Tok(), "p.jsonl:4", "messages")
+    Tok.chat_template = {"default": Tok.chat_template + '{{ "it\'s" }}'}  # named templates
+    render_prompt([{"role": "model", "content": "x"}], Tok(), "p.jsonl:5", "messages")
 
 
 def test_the_gold_agreement_warning_says_how_many_pairs_it_rests_on():
@@ -371,6 +376,10 @@ def test_a_reward_module_not_found_says_where_it_was_looked_for(tmp_path, monkey
     monkeypatch.chdir(tmp_path)
     with pytest.raises(RewardError, match=f"working directory {tmp_path}.*PYTHONPATH"):
         FunctionReward("rmod_nowhere:score")
+    (tmp_path / "rmod_here.py").write_text("import a_package_not_installed\n")
+    with pytest.raises(RewardError, match="No module named 'a_package_not_installed'") as err:
+        FunctionReward("rmod_here:score")
+    assert "PYTHONPATH" not in str(err.value)  # found; a package it imports is missing
 
 
 def test_the_gold_mean_over_ranks_keeps_the_finite_scores_of_every_rank():

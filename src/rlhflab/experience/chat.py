@@ -160,7 +160,9 @@ def _template(tokenizer, messages: list[dict], where: str, field: str, generatio
             f"{where}: field '{field}' holds chat messages, which need a tokenizer with a "
             "chat template"
         )
-    _check_roles(messages, str(tokenizer.chat_template), where, field)
+    template = tokenizer.chat_template  # a str, or a dict of named templates
+    text = " ".join(map(str, template.values())) if isinstance(template, dict) else str(template)
+    _check_roles(messages, text, where, field)
     try:
         return tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=generation

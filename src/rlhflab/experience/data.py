@@ -157,6 +157,8 @@ def sft_pair(row: dict, tokenizer, where: str) -> tuple[str, str]:
         text, (response,) = chat.render_answers(prompt, [answer], tokenizer, where, (key,))
         return text, response
     if prompt is None and "prompt" not in row:
+        if "messages" in row:  # present, but None or ""
+            raise DataError(f"{where}: field 'messages' is empty")
         raise DataError(f"{where}: missing field 'prompt' (or 'messages')")
     if answer is None and key not in row:
         raise DataError(f"{where}: missing field 'completion' (or 'response')")

@@ -282,10 +282,15 @@ class FunctionReward(CallableReward):
         try:
             module = importlib.import_module(MOVED_MODULES.get(module_name, module_name))
         except ImportError as exc:
+            # the module itself not found (not a package it imports): say where it was sought
+            missing = getattr(exc, "name", None) in (module_name, module_name.split(".")[0])
+            where = (
+                f" (modules are looked for on sys.path and in the working directory {cwd}: "
+                "start from the folder that holds it, or add that folder to PYTHONPATH)"
+            )
             raise RewardError(
-                f"reward function {spec!r}: cannot import {module_name}: {exc} (modules are "
-                f"looked for on sys.path and in the working directory {cwd}: start from the "
-                "folder that holds it, or add that folder to PYTHONPATH)"
+                f"reward function {spec!r}: cannot import {module_name}: {exc}"
+                + (where if missing else "")
             ) from None
         except Exception as exc:  # the module's own code failed: a syntax error, a raise
             raise RewardError(

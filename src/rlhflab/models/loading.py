@@ -91,7 +91,9 @@ def resolve_path(spec: str, field: str = "model") -> Path:
         raise ModelLoadError(
             f"{field}: {spec!r} is a LoRA adapter (adapter_config.json), not a whole model"
             + (f"; its base model is {base!r}" if base else "")
-            + ": give a merged model folder (rlhflab export merges by default)"
+            + ": give a whole model folder (an rlhflab run's policy: `rlhflab export RUN "
+            "OUT` merges its adapter; another adapter: peft's merge_and_unload, then "
+            "save_pretrained)"
         )
     if not (path / "config.json").exists():
         raise ModelLoadError(
