@@ -108,7 +108,9 @@ class MonitorConfig:
     gold: str | None = setting(
         None,
         "A gold reward 'module:function' (same contract as reward.functions) to measure "
-        "the proxy against. The built-in task's is rlhflab.builtin.tasks:gold_reward.",
+        "the proxy against. The built-in task's is rlhflab.builtin.tasks:gold_reward. "
+        "Non-finite gold scores are warned about and left out of the batch's gold mean, "
+        "its trend and log.keep_best.",
     )
     reference_every: int = setting(
         1,
