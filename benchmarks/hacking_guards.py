@@ -93,7 +93,7 @@ def prepare(seed: int, args) -> tuple[Path, object]:
     """SFT and the reward models of one seed (reused when their folders exist)."""
     from rlhflab.app.demo import _COMMON, demo_config
     from rlhflab.config import load_config
-    from rlhflab.trainers.rm import train_rm
+    from rlhflab.trainers.rm_ensemble import train_rm
     from rlhflab.trainers.sft import train_sft
 
     run, cfg = demo_config(args.preset, seed, args.out, args.set + ["log.progress=false"])

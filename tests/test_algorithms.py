@@ -269,7 +269,7 @@ def test_mean_z_score_matches_loop():
 
 
 def test_running_scale_of_equal_scores_is_finite():
-    from rlhflab.experience.rewards import RunningMoments
+    from rlhflab.core.stats import RunningMoments
 
     for value in (0.0, 1.0, -3.0):
         moments, scores = RunningMoments(), torch.full((8,), value)
@@ -311,7 +311,7 @@ class _ThreadGroup:
 def test_running_moments_are_global_over_ranks_and_equal_the_concatenated_data():
     import threading
 
-    from rlhflab.experience.rewards import RunningMoments
+    from rlhflab.core.stats import RunningMoments
     from rlhflab.infra.distributed import global_batch_moments
 
     # two iterations; rank 1's first share is all equal, the shards differ in size

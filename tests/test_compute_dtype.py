@@ -15,7 +15,7 @@ from rlhflab.experience.rollout import generate_rollout, score_rollout
 from rlhflab.models.build import finish_models, load_model, load_tokenizer_for, to_trained
 from rlhflab.trainers.dpo import DPOTrainer
 from rlhflab.trainers.ppo import PPOTrainer
-from rlhflab.trainers.rm import train_rm
+from rlhflab.trainers.rm_ensemble import train_rm
 from rlhflab.trainers.sft import sft_trainer
 
 REWARD = {"functions": {"rlhflab.builtin.toy_rewards:vowel_reward": 1.0}}

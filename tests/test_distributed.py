@@ -151,7 +151,7 @@ def test_a_centred_reward_ensemble_makes_the_same_update_on_two_ranks(tmp_path):
     # each rank's reference answers differ; the members' means are averaged over ranks,
     # so both ranks centre, and combine, as one rank does on the whole batch
     from rlhflab.config import load_config
-    from rlhflab.trainers.rm import train_rm
+    from rlhflab.trainers.rm_ensemble import train_rm
 
     rm = ["model.policy=preset:nano", "threads=1", "rm.steps=3", "rm.pairs=24"]
     rm += ["rm.batch_size=4", "rm.ensemble_size=2", f"rm.output_dir={tmp_path / 'rm'}"]

@@ -12,7 +12,7 @@ from rlhflab.diagnostics.monitor import HackingMonitor
 from rlhflab.experience.ensemble import SCORE, SPREAD, EnsembleReward
 from rlhflab.experience.rewards import RewardBatch, default_head_weights
 from rlhflab.trainers.ppo import PPOTrainer
-from rlhflab.trainers.rm import train_rm
+from rlhflab.trainers.rm_ensemble import train_rm
 from tests.maths_helpers import rand
 
 # ------------------------------------------------------------------ the maths, vs float64 loops

@@ -121,7 +121,7 @@ def test_a_callback_s_stop_ends_the_whole_ensemble(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="rlhflab.app.api"):
         out = r.train()
     assert out["ensemble"] == [str(tmp_path / "rm" / "member-0")]
-    assert "stopped after member 0" in caplog.text
+    assert "stopped after member 0 (" in caplog.text
     assert not (tmp_path / "rm" / "member-1").exists()
 
 

@@ -16,7 +16,7 @@ from rlhflab.experience.rewards import ModelReward
 from rlhflab.models.presets import preset_path
 from rlhflab.trainers.dpo import DPO_BASE, DPOTrainer
 from rlhflab.trainers.ppo import PPOTrainer
-from rlhflab.trainers.rm import train_rm
+from rlhflab.trainers.rm_ensemble import train_rm
 from rlhflab.trainers.sft import train_sft
 
 RUNTIMES = ["transformers", "native"]

@@ -9,7 +9,7 @@ import torch
 
 from rlhflab.config import ConfigError, load_config
 from rlhflab.core import guards as G
-from rlhflab.trainers.rm import train_rm
+from rlhflab.trainers.rm_ensemble import train_rm
 from tests.maths_helpers import rand
 
 

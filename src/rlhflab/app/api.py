@@ -330,11 +330,10 @@ class RewardTrainer(_ModelOut):
     """Bradley-Terry reward-model training: ``rlhflab rm`` from Python. ``model``: the
     model to start from (a causal LM gets a fresh head per ``rm.heads``); ``pairs`` as for
     :class:`DPOTrainer`. The result scores answers as ``reward=`` of the other trainers.
-    With ``rm.ensemble_size=k``, as the command: k models one after another, member i in
-    ``output_dir``/member-i with seed + i; ``train()`` returns member 0's result with
-    ``members`` and ``ensemble`` (their folders, for ``reward.ensemble``), and ``model``
-    is then the member trained last. A callback's stop ends the ensemble there; a
-    ``train()`` that failed goes on from the member it failed in."""
+    ``rm.ensemble_size=k`` trains k members as the command does (``output_dir``/member-i,
+    seed + i); ``train()`` returns member 0's result with ``members`` and ``ensemble``;
+    ``model`` is the member trained last. A callback's stop ends the ensemble; a failed
+    ``train()`` goes on from the member it failed in."""
 
     stage = "rm"
 
@@ -353,15 +352,14 @@ class RewardTrainer(_ModelOut):
         super().__init__(config, overrides, callbacks, resume)
         cfg = self.config
         k = cfg.rm.ensemble_size
-        # where a resume finds the config.yaml naming the run's data: member 0's for an
-        # ensemble (the run/ folder beside the members holds only their inputs)
+        # the config.yaml a resume reads the data from: member 0's in an ensemble
         run = "member-0/run" if k > 1 else "run"
         inputs, cfg.rm.init = self._setup(output_dir, model, tokenizer, resume, cfg.rm.init, run)
-        split = cfg.data.split
-        rows = I.rows_file(pairs, inputs / "pairs.jsonl", "pairs", split, I.pair_row)
+        rows = I.rows_file(pairs, inputs / "pairs.jsonl", "pairs", cfg.data.split, I.pair_row)
         RI.set_data(cfg, rows, "rm.data", Path(cfg.rm.output_dir) / run, resume)
         validate(cfg, self.stage)
-        from rlhflab.trainers.rm import member_configs, rm_trainer
+        from rlhflab.trainers.rm import rm_trainer
+        from rlhflab.trainers.rm_ensemble import member_configs
 
         # an ensemble's members are built one at a time as they train (one model in memory)
         self._members = member_configs(cfg) if k > 1 else [cfg]
@@ -370,7 +368,8 @@ class RewardTrainer(_ModelOut):
         self._engine_of = 0  # the member self.engine trains
 
     def _train(self, resume: bool) -> dict:
-        from rlhflab.trainers.rm import ensemble_result, rm_trainer, run_rm
+        from rlhflab.trainers.rm import rm_trainer, run_rm
+        from rlhflab.trainers.rm_ensemble import ensemble_result
 
         if len(self._members) == 1:
             return run_rm(self.engine, resume)
@@ -383,14 +382,8 @@ class RewardTrainer(_ModelOut):
             self._results.append(run_rm(self.engine, resume))
             reason = self._results[-1].get("stop_reason")
             if reason and i + 1 < len(self._members):
-                log.warning(
-                    "rm.ensemble_size=%d: stopped after member %d (%s); the ensemble has "
-                    "the %d members trained",
-                    len(self._members),
-                    i,
-                    reason,
-                    i + 1,
-                )
+                n = len(self._members)
+                log.warning("rm.ensemble_size=%d: stopped after member %d (%s)", n, i, reason)
                 break
         return ensemble_result(self._results)
 

@@ -211,7 +211,8 @@ def cmd_sft(args) -> int:
 
 def cmd_rm(args) -> int:
     from rlhflab.config import load_config
-    from rlhflab.trainers.rm import check_reward_model, format_checks, train_rm
+    from rlhflab.trainers.rm import check_reward_model, format_checks
+    from rlhflab.trainers.rm_ensemble import train_rm
 
     cfg = load_config(args.config, args.overrides, stage="rm")
     if args.check:

@@ -148,7 +148,7 @@ def run_compare(
 def _compare(run: Path, cfg, preset, seed, out_root, extra, progress, eval_prompts) -> dict:
     """SFT and the reward model, then every method in its own process, into ``run``."""
     from rlhflab.app.demo import PRESETS, sft_stage_config
-    from rlhflab.trainers.rm import train_rm
+    from rlhflab.trainers.rm_ensemble import train_rm
     from rlhflab.trainers.sft import train_sft
 
     cfg.sft.output_dir, cfg.rm.output_dir = str(run / "sft"), str(run / "rm")

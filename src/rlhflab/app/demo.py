@@ -172,7 +172,7 @@ def run_demo(
 def _demo_stages(run: Path, cfg, preset: str, seed: int, out_root, extra) -> dict:
     """SFT, the reward model, PPO and the held-out evaluation, into ``run``."""
     from rlhflab.trainers.ppo import PPOTrainer
-    from rlhflab.trainers.rm import train_rm
+    from rlhflab.trainers.rm_ensemble import train_rm
     from rlhflab.trainers.sft import train_sft
 
     timing, t_all = {}, time.perf_counter()

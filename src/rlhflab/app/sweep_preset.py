@@ -82,7 +82,7 @@ def preset_base(
     and reward models trained unless a previous start of the sweep left them whole."""
     from rlhflab.app.compare import method_config
     from rlhflab.app.demo import demo_config, sft_stage_config
-    from rlhflab.trainers.rm import train_rm
+    from rlhflab.trainers.rm_ensemble import train_rm
     from rlhflab.trainers.sft import train_sft
 
     name = f"{preset}-s{seed}"

@@ -1,4 +1,5 @@
-"""Student's t distribution, for the tests a run makes on a batch's mean (no SciPy needed).
+"""Student's t distribution, for the tests a run makes on a batch's mean (no SciPy needed),
+and the running moments of ``reward.normalize=running``.
 
 The batch's per-answer numbers are few on a laptop (4–16 answers): a mean's z-score then
 follows Student's t with N − 1 degrees of freedom, whose tails are far heavier than the
@@ -11,6 +12,8 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 from statistics import NormalDist
+
+import torch
 
 
 def student_t_cdf(t: float, df: float, steps: int = 2000) -> float:
@@ -55,3 +58,51 @@ def student_t_quantile(p: float, df: float) -> float:
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if student_t_cdf(mid, df) < p else (lo, mid)
     return (lo + hi) / 2
+
+
+class RunningMoments:
+    """Running count, mean and sum of squared deviations of scores (Chan et al.'s parallel
+    update), for 'running' normalisation. Under data parallelism feed :meth:`merge` the
+    batch moments over every rank (:func:`rlhflab.infra.distributed.global_batch_moments`), so
+    each rank holds the same, global moments and scales its scores identically."""
+
+    def __init__(self):
+        self.count, self.mean, self.m2 = 0, 0.0, 0.0
+
+    def update(self, x: torch.Tensor) -> None:
+        """Add this process's scores (single process)."""
+        x = x.double().reshape(-1)
+        n = x.numel()
+        if n:
+            mean = x.mean().item()
+            self.merge(n, mean, ((x - mean) ** 2).sum().item())
+
+    def merge(self, n: int, mean: float, m2: float) -> None:
+        """Add a batch given as its count, mean and sum of squared deviations from it."""
+        if n < 0 or m2 < 0 or not (math.isfinite(mean) and math.isfinite(m2)):
+            raise ValueError(f"RunningMoments.merge: bad batch moments n={n} mean={mean} m2={m2}")
+        if n == 0:
+            return
+        delta, total = mean - self.mean, self.count + n
+        self.mean += delta * n / total
+        self.m2 += m2 + delta**2 * self.count * n / total
+        self.count = total
+
+    @property
+    def var(self) -> float:
+        """Unbiased variance of every score seen; 1.0 while it measures no scale yet (fewer
+        than two scores, or all equal, e.g. a 0/1 reward nobody earned): dividing by a
+        zero spread would blow the scores up, and there is nothing to normalise by."""
+        if self.count < 2 or self.m2 <= 0.0:
+            return 1.0
+        return self.m2 / (self.count - 1)
+
+    @property
+    def std(self) -> float:
+        return math.sqrt(self.var)
+
+    def state_dict(self) -> dict:
+        return {"count": self.count, "mean": self.mean, "m2": self.m2}
+
+    def load_state_dict(self, s: dict) -> None:
+        self.count, self.mean, self.m2 = int(s["count"]), float(s["mean"]), float(s["m2"])

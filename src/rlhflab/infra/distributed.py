@@ -198,7 +198,7 @@ def global_moments(x: torch.Tensor, mask: torch.Tensor, ctx: DistContext):
 
 def global_batch_moments(x: torch.Tensor, ctx) -> tuple[int, float, float]:
     """Count, mean and sum of squared deviations (float64) of every rank's ``x`` together,
-    for :meth:`rlhflab.experience.rewards.RunningMoments.merge`; this rank's alone at world size 1.
+    for :meth:`rlhflab.core.stats.RunningMoments.merge`; this rank's alone at world size 1.
     Two reductions (the mean first, then the deviations from it), not a sum of squares,
     which cancels catastrophically when the mean is large against the spread."""
     x = x.double().reshape(-1)

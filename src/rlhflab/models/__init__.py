@@ -31,7 +31,6 @@ from rlhflab.models.heads import (
 from rlhflab.models.loading import (
     RUNTIMES,
     load_causal_lm,
-    load_lora_adapter,
     load_sequence_classifier,
     load_tokenizer,
     position_limit,
@@ -45,6 +44,7 @@ from rlhflab.models.lora import (
     apply_lora,
     check_targets,
     linear_layers,
+    load_lora_adapter,
     lora_critic,
 )
 from rlhflab.models.precision import (

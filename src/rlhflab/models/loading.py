@@ -21,7 +21,6 @@ from rlhflab.models.prepare import (
     check_weight_files,
     config_errors,
     disable_dropout,
-    first_line,
     hf_load,
     load_error_reason,
     mismatch_message,
@@ -382,21 +381,3 @@ def same_tokenizer(a, b) -> bool:
         and a.pad_token_id == b.pad_token_id
         and leading_special_ids(a) == leading_special_ids(b)
     )
-
-
-def load_lora_adapter(lm: nn.Module, folder: str | Path) -> nn.Module:
-    """``lm`` with the PEFT adapter saved in ``folder`` (``adapter_config.json``) on it."""
-    try:
-        from peft import PeftModel
-    except ImportError:
-        raise ModelLoadError(
-            f"{folder}: a LoRA adapter needs peft: pip install 'rlhflab[lora]'"
-        ) from None
-    try:
-        with warnings.catch_warnings():  # as in apply_lora: peft's use of a deprecated name
-            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*deprecated")
-            return PeftModel.from_pretrained(lm, str(folder))
-    except (OSError, ValueError, KeyError, RuntimeError) as exc:
-        raise ModelLoadError(
-            f"{folder}: the adapter cannot be loaded ({first_line(exc)})"
-        ) from None

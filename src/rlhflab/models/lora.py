@@ -14,13 +14,14 @@ the list matched.
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from rlhflab.models.frozen import PRECISION_DTYPES
 from rlhflab.models.loading import release_freed_memory
-from rlhflab.models.prepare import ModelLoadError
+from rlhflab.models.prepare import ModelLoadError, first_line
 
 ALL_LINEAR = "all-linear"
 # peft's task types: a causal LM, or a sequence classifier whose `score` head trains whole
@@ -135,3 +136,21 @@ def lora_critic(
         critic.base_model.to(dtype)  # the backbone: `score` sits beside it and stays fp32
         release_freed_memory()
     return apply_lora(critic, r, alpha, targets, kind="critic", field=field, seed=seed)
+
+
+def load_lora_adapter(lm: nn.Module, folder: str | Path) -> nn.Module:
+    """``lm`` with the PEFT adapter saved in ``folder`` (``adapter_config.json``) on it."""
+    try:
+        from peft import PeftModel
+    except ImportError:
+        raise ModelLoadError(
+            f"{folder}: a LoRA adapter needs peft: pip install 'rlhflab[lora]'"
+        ) from None
+    try:
+        with warnings.catch_warnings():  # as in apply_lora: peft's use of a deprecated name
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*deprecated")
+            return PeftModel.from_pretrained(lm, str(folder))
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise ModelLoadError(
+            f"{folder}: the adapter cannot be loaded ({first_line(exc)})"
+        ) from None

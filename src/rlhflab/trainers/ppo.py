@@ -21,9 +21,9 @@ from rlhflab.config import Config, ConfigError
 from rlhflab.config.base import to_dict
 from rlhflab.core import advantages as ADV
 from rlhflab.core import algorithms as A
+from rlhflab.core.stats import RunningMoments
 from rlhflab.diagnostics.memory import peak_rss_bytes
 from rlhflab.experience.cast import ModelCast, build_cast, load_policy_tokenizer
-from rlhflab.experience.rewards import RunningMoments
 from rlhflab.experience.rollout import Rollout, generate_rollout, score_policy, score_rollout
 from rlhflab.experience.sampling import SamplingScores
 from rlhflab.infra.distributed import (

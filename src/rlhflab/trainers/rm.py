@@ -9,7 +9,6 @@ length-bias checks (``rlhflab.diagnostics.rm_checks``) written to ``rm_checks.js
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import math
@@ -298,34 +297,6 @@ def format_checks(checks: dict[str, dict[str, float]]) -> str:
         cells += " " + cell(row, keys[2]) + cell(row, keys[3]) + cell(row, "score_length_corr")
         lines.append(f"{name:<15}{cells}")
     return "\n".join(lines)
-
-
-def train_rm(cfg: Config, resume: bool = False) -> dict:
-    """``rlhflab rm``: train, write the model to ``rm.output_dir``, check it on the held-out
-    pairs, summarise. With rm.ensemble_size=k, k models one after another, member i in
-    ``rm.output_dir``/member-i with seed + i; the result is member 0's with ``members``
-    (every member's result) and ``ensemble`` (their folders, for reward.ensemble)."""
-    if cfg.rm.ensemble_size == 1:
-        return run_rm(rm_trainer(cfg), resume)
-    members = [run_rm(rm_trainer(member), resume) for member in member_configs(cfg)]
-    return ensemble_result(members)
-
-
-def member_configs(cfg: Config) -> list[Config]:
-    """rm.ensemble_size=k: member i's config, seed + i, in ``rm.output_dir``/member-i."""
-    out = []
-    for i in range(cfg.rm.ensemble_size):
-        member = copy.deepcopy(cfg)
-        member.seed = cfg.seed + i
-        member.rm.output_dir = str(Path(cfg.rm.output_dir) / f"member-{i}")
-        out.append(member)
-    return out
-
-
-def ensemble_result(members: list[dict]) -> dict:
-    """Member 0's result with every member's (``members``) and their folders
-    (``ensemble``, for reward.ensemble)."""
-    return {**members[0], "members": members, "ensemble": [m["output_dir"] for m in members]}
 
 
 def rm_trainer(cfg: Config) -> SupervisedTrainer:
