@@ -125,6 +125,32 @@ def test_a_callback_s_stop_ends_the_whole_ensemble(tmp_path, caplog):
     assert not (tmp_path / "rm" / "member-1").exists()
 
 
+def test_a_stopped_ensemble_resumed_in_the_same_process_finishes_the_stopped_member(tmp_path):
+    # train(resume=True) on the same object took the member a callback cut short as done
+    import json
+
+    import rlhflab
+
+    asked = []
+
+    def stop_once(trainer, step, metrics):
+        asked.append(step)
+        return len(asked) == 2  # member 0's step 2 of 4
+
+    r = rlhflab.RewardTrainer(
+        "preset:nano",
+        output_dir=tmp_path / "rm",
+        overrides={"rm.steps": 4, "rm.ensemble_size": 2, "rm.pairs": 32, "log.progress": False},
+        callbacks=[stop_once],
+    )
+    assert len(r.train()["ensemble"]) == 1
+    out = r.train(resume=True)
+    assert len(out["ensemble"]) == 2
+    for member in ("member-0", "member-1"):
+        log = (tmp_path / "rm" / member / "run" / "metrics.jsonl").read_text().splitlines()
+        assert [json.loads(x)["iteration"] for x in log] == [1, 2, 3, 4]
+
+
 def test_a_python_ensemble_resumes_on_the_pairs_it_was_given(tmp_path):
     # the resume read run/config.yaml, which an ensemble never writes: built-in pairs, four
     # heads, and a checkpoint of another shape
@@ -316,6 +342,11 @@ def test_a_two_iteration_run_s_alerts_are_hints_not_a_hacking_verdict():
     assert "hints to look at, not a verdict" in short and "reward_length_corr" in short
     stop = "iteration 2: monitor 'reward_length_corr' = 0.9 crossed 0.5 (monitor.response=stop)"
     assert "signs of a gamed reward" in verdict(rows, [alert], {}, None, stop)
+    fit = {"points": 4, "final_kl": 0.0, "peak": {"kl": 0.0}, "past_peak": True}
+    story = {"fit": fit, "fell": False, "first": 0.1, "final": 0.1, "best": 0.1}
+    story |= {"best_iteration": 1, "final_iteration": 6, "smoothing": 0.8}
+    six = [{"iteration": i, "objective/scores": 0.5, "objective/kl": 0.0} for i in range(1, 7)]
+    assert "Over-optimisation fit" not in verdict(six, [], story, None)  # KL 0, 4 batches
     long = [{"iteration": i, "objective/scores": 0.5, "objective/kl": 0.0} for i in range(1, 9)]
     assert "signs of a gamed reward: reward_length_corr" in verdict(long, [alert], {}, None)
 

@@ -264,8 +264,7 @@ class _ModelOut(Trainer):
 
     def _setup(self, output_dir, model, tokenizer, resume, current, run="run"):
         """(the inputs folder, the model setting): ``current`` (the config's) when ``model``
-        is None. ``run``: the folder, inside the output folder, of the config.yaml a resume
-        reads (an ensemble's member 0's); inputs/ is in ``run/`` all the same."""
+        is None. ``run``: where in the output folder a resume reads config.yaml."""
         section = getattr(self.config, self.stage)
         if output_dir is not None:
             section.output_dir = str(output_dir)
@@ -352,8 +351,7 @@ class RewardTrainer(_ModelOut):
         super().__init__(config, overrides, callbacks, resume)
         cfg = self.config
         k = cfg.rm.ensemble_size
-        # the config.yaml a resume reads the data from: member 0's in an ensemble
-        run = "member-0/run" if k > 1 else "run"
+        run = "member-0/run" if k > 1 else "run"  # whose config.yaml a resume reads
         inputs, cfg.rm.init = self._setup(output_dir, model, tokenizer, resume, cfg.rm.init, run)
         rows = I.rows_file(pairs, inputs / "pairs.jsonl", "pairs", cfg.data.split, I.pair_row)
         RI.set_data(cfg, rows, "rm.data", Path(cfg.rm.output_dir) / run, resume)
@@ -361,7 +359,7 @@ class RewardTrainer(_ModelOut):
         from rlhflab.trainers.rm import rm_trainer
         from rlhflab.trainers.rm_ensemble import member_configs
 
-        # an ensemble's members are built one at a time as they train (one model in memory)
+        # members are built one at a time as they train (one model in memory)
         self._members = member_configs(cfg) if k > 1 else [cfg]
         self._results: list[dict] = []  # of the members trained so far, in order
         self._start(rm_trainer(self._members[0]))
@@ -373,6 +371,8 @@ class RewardTrainer(_ModelOut):
 
         if len(self._members) == 1:
             return run_rm(self.engine, resume)
+        if resume and self._results and self._results[-1].get("stop_reason"):
+            self._results.pop()  # the member a stop cut short goes on, as in a new process
         while len(self._results) < len(self._members):
             i = len(self._results)
             if self._engine_of != i:  # the last member's model is freed before the next loads

@@ -28,6 +28,7 @@ HACKING_SIGNALS = {
 # (smoothing 0.8) weighs a batch ~3 batches back at half, so no fall can stand out of the
 # noise yet (a one-iteration run read "looks healthy")
 TOO_FEW_TO_JUDGE = 5
+FIT_MIN_KL = 0.01  # nats an answer the run must reach for the verdict to state the fit
 
 
 # bidirectional overrides and isolates: in a prompt or answer they reverse the text after
@@ -145,7 +146,10 @@ def verdict(
             + (f" (β {beta:.3g})" if _finite(beta) else "")
         )
     fit = story.get("fit") if story else None
-    if fit and fit.get("peak"):
+    # a fit through a few batches at KL ≈ 0 ("peaks near KL 0.00, ended at 0.00, past
+    # it") says nothing: stated only from enough batches that moved away from the reference
+    judged = fit and fit["points"] >= TOO_FEW_TO_JUDGE and fit["final_kl"] >= FIT_MIN_KL
+    if judged and fit.get("peak"):
         pk = fit["peak"]
         where = "past" if fit["past_peak"] else "before"
         facts.append(
