@@ -425,3 +425,63 @@ def test_the_gold_mean_over_ranks_keeps_the_finite_scores_of_every_rank():
     assert finite_mean(torch.tensor([float("nan")] * 2), mean_over_ranks) == 2.0
     assert finite_mean(torch.tensor([5.0, float("inf")]), mean_over_ranks) == 3.0
     assert math.isnan(finite_mean(torch.tensor([float("nan")])))
+
+
+def test_a_grpo_sweep_file_is_validated_with_grpo_s_defaults(tmp_path):
+    # `rlhflab sweep` validated the file as PPO first: value_model none refused
+    from types import SimpleNamespace
+
+    from rlhflab.app.sweep import base_config
+
+    f = tmp_path / "sw.yaml"
+    f.write_text(
+        "model: {policy: 'preset:nano', value_model: none}\nsweep: {method: grpo}\n"
+        "reward: {functions: {'rlhflab.builtin.toy_rewards:vowel_reward': 1.0}}\n"
+    )
+    args = SimpleNamespace(preset=None, config=str(f), overrides=[], seed=None, out=None, name=None)
+    cfg, stage, _, _ = base_config(args)
+    assert stage == "grpo" and cfg.ppo.advantage_estimator == "grpo"
+
+
+def test_an_int8_model_counts_its_packed_weights():
+    # an int8 reference's run.json said 14,176 parameters where its policy had 40,800
+    import warnings
+
+    from torch import nn
+    from torch.ao.quantization import quantize_dynamic
+
+    from rlhflab.trainers.ppo_metrics import _packed_weights
+
+    model = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        q = quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
+    assert _packed_weights(q) == 4 * 3 + 3 and _packed_weights(model) == 0
+    assert sum(p.numel() for p in q.parameters()) + _packed_weights(q) == 15 + 6
+
+
+def test_a_sweep_says_each_trial_s_settings_and_end_and_hides_optuna_s_none_line(caplog):
+    from types import SimpleNamespace
+
+    from rlhflab.app import sweep
+
+    def trial(n, state, value=None, iterations=None):
+        attrs = {"iterations": iterations} if iterations else {}
+        return SimpleNamespace(
+            number=n, state=SimpleNamespace(name=state), value=value, user_attrs=attrs
+        )
+
+    trials = [trial(0, "COMPLETE", 0.25), trial(1, "PRUNED", iterations=2), trial(2, "FAIL")]
+    study = SimpleNamespace(get_trials=lambda deepcopy=False: trials)
+    with caplog.at_level(logging.INFO, logger="rlhflab.app.sweep"):
+        for t in trials:
+            sweep.say_trial(study, t)
+    assert "trial 0 objective 0.25 (2 finished)" in caplog.text
+    assert "trial 1 pruned after 2 iterations" in caplog.text and "trial 2 fail" in caplog.text
+    assert sweep.drawn({"ppo.lr": 1.23456e-6, "grpo.group_size": 4}) == (
+        "ppo.lr=1.23e-06, grpo.group_size=4"
+    )
+    record = logging.LogRecord(
+        "optuna", logging.WARNING, "", 0, "Trial 2 failed with value None.", None, None
+    )
+    assert not sweep._FailedTrialNoise().filter(record)

@@ -145,6 +145,7 @@ def run_trial(trial, base: dict, space: dict, sweep_dir: Path, stage: str) -> fl
     """Train one trial's run to its end (or until pruned); its objective."""
     optuna = require_optuna()
     params = suggest(trial, space)
+    log.info("trial %d: %s", trial.number, drawn(params))  # its own bar is off: say what runs
     data = configbase.merge_overrides(copy.deepcopy(base), params)
     out = sweep_dir / f"trial-{trial.number:03d}"
     data["log"].update(output_dir=str(out), progress=False)
@@ -190,7 +191,8 @@ class _FailedTrialNoise(logging.Filter):
             return False
         if "KeyboardInterrupt" in said and "failed" in said:
             return False
-        return not ("failed with value nan" in said or "value nan is not acceptable" in said)
+        failed = ("failed with value nan", "failed with value None", "value nan is not acceptable")
+        return not any(words in said for words in failed)
 
 
 def _trial(trial, base: dict, space: dict, sweep_dir: Path, stage: str) -> float:
@@ -205,6 +207,25 @@ def _trial(trial, base: dict, space: dict, sweep_dir: Path, stage: str) -> float
         # error included: a preset that does not exist), or its training halted
         log.warning("trial %d failed: %s", trial.number, exc)
         return math.nan
+
+
+def drawn(params: dict) -> str:
+    """A trial's settings in one short line."""
+    return ", ".join(
+        f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items()
+    )
+
+
+def say_trial(study, trial) -> None:
+    """Optuna's callback after each trial: how it ended, in one line (the sweep's progress;
+    a pruned trial's run only says "a callback (report) asked to stop")."""
+    state = trial.state.name.lower()
+    how = {
+        "complete": f"objective {trial.value:.4g}" if trial.value is not None else "complete",
+        "pruned": f"pruned after {trial.user_attrs.get('iterations', '?')} iterations",
+    }.get(state, state)
+    done = sum(t.state.name in ("COMPLETE", "PRUNED") for t in study.get_trials(deepcopy=False))
+    log.info("trial %d %s (%d finished)", trial.number, how, done)
 
 
 def finished(optuna, study) -> int:
@@ -224,7 +245,10 @@ def optimise(study, optuna, total: int, objective) -> None:
     while finished(optuna, study) < total:
         before = len(study.get_trials(deepcopy=False, states=failed))
         study.optimize(
-            objective, n_trials=1, catch=(ConfigError, TrainingHalted), callbacks=[done_cb]
+            objective,
+            n_trials=1,
+            catch=(ConfigError, TrainingHalted),
+            callbacks=[done_cb, say_trial],
         )
         new_failures = len(study.get_trials(deepcopy=False, states=failed)) - before
         in_a_row = in_a_row + new_failures if new_failures else 0
@@ -258,9 +282,10 @@ def base_config(args) -> tuple[Config, str, Path, str]:
             f"--seed: the preset's seed (with --preset); with --config set the runs' seed "
             f"as an override: seed={args.seed}"
         )
-    first = load_config(args.config, overrides)
-    stage = first.sweep.method
-    cfg = load_config(args.config, overrides, stage=stage) if stage != "ppo" else first
+    # the method first, unvalidated: a grpo/rloo file is checked with its method's
+    # defaults (model.value_model=none is theirs, and PPO's validation refuses it)
+    stage = configbase.load(Config, args.config, overrides).sweep.method
+    cfg = load_config(args.config, overrides, stage=stage)
     name = args.name or Path(args.config).stem
     return cfg, stage, Path(args.out or Path("runs") / "sweeps" / name), name
 

@@ -179,10 +179,24 @@ def model_sizes(cast) -> dict[str, dict[str, int]]:
             continue
         params = list(model.parameters())
         out[name] = {
-            "parameters": sum(p.numel() for p in params),
+            "parameters": sum(p.numel() for p in params) + _packed_weights(model),
             "trained": sum(p.numel() for p in params if p.requires_grad),
         }
     return out
+
+
+def _packed_weights(model) -> int:
+    """Weights an int8 model holds outside its parameters: torch's dynamically quantised
+    Linear layers keep weight and bias packed (an int8 reference counted only its norms
+    and embeddings)."""
+    n = 0
+    for m in model.modules():
+        if type(m).__module__.startswith("torch.ao.nn.quantized") and callable(
+            getattr(m, "weight", None)
+        ):
+            bias = m.bias() if callable(getattr(m, "bias", None)) else None
+            n += m.weight().numel() + (bias.numel() if bias is not None else 0)
+    return n
 
 
 def run_facts(cast, run_dir: Path, smoothing: float, keep_best: bool) -> dict:
