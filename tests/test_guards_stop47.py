@@ -485,3 +485,21 @@ def test_a_sweep_says_each_trial_s_settings_and_end_and_hides_optuna_s_none_line
         "optuna", logging.WARNING, "", 0, "Trial 2 failed with value None.", None, None
     )
     assert not sweep._FailedTrialNoise().filter(record)
+
+
+def test_a_run_s_progress_bar_in_a_log_file_is_not_redrawn_every_step(tmp_path, monkeypatch):
+    # the PPO bar's postfix redrew it every iteration into a redirected log (make demo)
+    import rlhflab
+
+    err = io.StringIO()
+    monkeypatch.setattr("sys.stderr", err)
+    t = rlhflab.PPOTrainer(
+        "preset:nano",
+        reward=lambda p, r: [1.0] * len(r),
+        prompts=["a b", "c d"],
+        output_dir=tmp_path / "ppo",
+        overrides={"ppo.iterations": 4, "rollout.prompts_per_iteration": 2},
+    )
+    t.train()
+    drawn = err.getvalue().count("PPO:")
+    assert 1 <= drawn <= 3  # the start, maybe one, the end — not one per iteration and more

@@ -150,7 +150,9 @@ class RunLoop:
                 job.iteration += 1
                 logged = self._record(runlog, job.iteration, metrics)
                 if hasattr(bar, "set_postfix") and self.postfix is not None:
-                    bar.set_postfix(**self.postfix(metrics))
+                    # drawn with the bar's next update, at its pace: a refresh here redrew
+                    # every step into a log file whatever the bar's interval
+                    bar.set_postfix(refresh=False, **self.postfix(metrics))
                 asked = _hooks_stop(job, metrics)  # every step, the trainer's last one too
                 reason = job.stop_reason or asked
                 if reason and not logged:  # the answers that the run ends on, too
