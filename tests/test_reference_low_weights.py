@@ -13,6 +13,7 @@ from rlhflab.config import load_config
 from rlhflab.experience.cast import reference_low_dtype
 from rlhflab.models.frozen import freeze, low_linear_dtype, store_linear_weights
 from rlhflab.trainers.ppo import PPOTrainer
+from tests.test_lean import tiny_llama
 
 REWARD = {"functions": {"rlhflab.builtin.toy_rewards:vowel_reward": 1.0}}
 
@@ -30,20 +31,8 @@ def _cfg(tmp_path, *overrides, out="run"):
 
 
 def _lm(tied: bool) -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=tied,
-        attention_bias=True,  # a bias stays fp32: autocast casts it as before
-    )
-    return LlamaForCausalLM(cfg).eval()
+    # a bias stays fp32: autocast casts it as before
+    return tiny_llama(vocab_size=97, tie_word_embeddings=tied, attention_bias=True).eval()
 
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied-head", "own-head"])
