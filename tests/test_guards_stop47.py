@@ -503,3 +503,18 @@ def test_a_run_s_progress_bar_in_a_log_file_is_not_redrawn_every_step(tmp_path, 
     t.train()
     drawn = err.getvalue().count("PPO:")
     assert 1 <= drawn <= 3  # the start, maybe one, the end — not one per iteration and more
+
+
+def test_rloo_says_that_normalize_std_does_nothing_for_it(caplog):
+    from rlhflab.config import load_config
+    from rlhflab.trainers.runstate import warn_about_settings
+
+    fn = "reward.functions={rlhflab.builtin.toy_rewards:vowel_reward: 1.0}"
+    with caplog.at_level(logging.WARNING):
+        warn_about_settings(load_config(overrides=[fn, "grpo.normalize_std=false"], stage="rloo"))
+    assert "grpo.normalize_std=false: RLOO's advantage" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        warn_about_settings(load_config(overrides=[fn, "grpo.normalize_std=false"], stage="grpo"))
+        warn_about_settings(load_config(overrides=[fn], stage="rloo"))
+    assert "normalize_std" not in caplog.text

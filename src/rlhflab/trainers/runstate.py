@@ -47,6 +47,11 @@ def warn_about_settings(cfg: Config) -> None:
             "monitor.phrases is empty: the flattery signals (flattery_rate, "
             "flattery_excess, flattery_opener_ratio) measure nothing and never alert"
         )
+    if cfg.ppo.advantage_estimator == "rloo" and not cfg.grpo.normalize_std:
+        log.warning(
+            "grpo.normalize_std=false: RLOO's advantage is the answer's score minus the "
+            "mean of the group's others, never divided by a std; the setting does nothing"
+        )
     if cfg.rollout.logprobs_from_sampling and cfg.model.compute_dtype != "fp32":
         # measured by benchmarks/bf16_speedup.py (docs/real-models.md, "Precision")
         log.warning(
