@@ -41,7 +41,7 @@ import torch
 from rlhflab import models as M
 from rlhflab.core import algorithms as A
 from rlhflab.experience.sampling import PromptCaches, PromptPrefix, cache_kwarg, distinct_rows
-from rlhflab.models.frozen import low_linear_dtype
+from rlhflab.models.frozen import is_quantized, low_linear_dtype
 
 log = logging.getLogger(__name__)
 
@@ -294,7 +294,7 @@ def takes_tree_mask(model, sp: Spellings, temperature: float) -> bool:
     weights = getattr(model, "peft_model", model)  # a LoRA reference: the policy's base
     # 16-bit or int8 weights round a cached and a whole forward apart by more than fp32
     low = any(p.dtype in (torch.bfloat16, torch.float16) for p in weights.parameters()) or any(
-        type(m).__module__.startswith("torch.ao.nn.quantized") for m in weights.modules()
+        is_quantized(m) for m in weights.modules()
     )
     # without autocast, except for a reference whose Linear weights are stored in 16 bits
     # (model.reference_low_weights), which computes only under its autocast

@@ -187,6 +187,12 @@ def store_linear_weights(model: nn.Module, dtype: torch.dtype) -> int:
     return freed
 
 
+def is_quantized(module: nn.Module) -> bool:
+    """Whether ``module`` is one of torch's quantised layers (an int8 model's Linear: its
+    weight and bias are packed, not parameters)."""
+    return type(module).__module__.startswith("torch.ao.nn.quantized")
+
+
 def low_linear_dtype(model: nn.Module) -> torch.dtype | None:
     """The dtype :func:`store_linear_weights` stored ``model``'s Linear weights in (the
     autocast it must run under), or None."""

@@ -15,6 +15,7 @@ from rlhflab.diagnostics.gold_curve import story_from_rows
 from rlhflab.experience.ensemble import SPREAD
 from rlhflab.experience.rollout import Rollout
 from rlhflab.infra.runlog import read_jsonl
+from rlhflab.models.frozen import is_quantized
 
 METRICS = {
     "objective/scores": "mean combined score after the missing-EOS penalty, before normalisation",
@@ -191,9 +192,7 @@ def _packed_weights(model) -> int:
     and embeddings)."""
     n = 0
     for m in model.modules():
-        if type(m).__module__.startswith("torch.ao.nn.quantized") and callable(
-            getattr(m, "weight", None)
-        ):
+        if is_quantized(m) and callable(getattr(m, "weight", None)):
             bias = m.bias() if callable(getattr(m, "bias", None)) else None
             n += m.weight().numel() + (bias.numel() if bias is not None else 0)
     return n
