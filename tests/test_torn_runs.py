@@ -222,6 +222,11 @@ def test_resuming_with_other_models_names_the_setting(tmp_path, capsys):
         assert main(["ppo", "--config", config, "ppo.iterations=2", change, "--resume"]) == 2
         line = capsys.readouterr().err.strip().splitlines()[-1]
         assert said in line and "resume with the run's setting" in line, line
+    # another policy folder: the tensors' shapes differ; said as the setting, the file named
+    assert main(["ppo", "--config", config, "model.policy=preset:tiny", "--resume"]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "model.policy is 'preset:tiny', but the run was trained from 'preset:nano'" in line
+    assert "model.safetensors" in line and "resume with the run's setting" in line, line
     # 'auto' is resolved per run, so not compared: the checkpoint's loader names the file
     auto = tmp_path / "auto"
     PPOTrainer(make_cfg(auto, *fast, "model.value_model=auto")).fit()

@@ -46,9 +46,9 @@ from rlhflab.infra.runlog import (
 )
 from rlhflab.trainers.common import progress
 from rlhflab.trainers.resume_checks import (
+    checkpoint_of_this_run,
     config_changes,
     read_recorded_config,
-    refuse_other_models,
 )
 
 log = logging.getLogger(__name__)
@@ -256,8 +256,8 @@ class RunLoop:
         last = self.latest(self.run_dir, self.is_main)
         if last is None:  # _set_earlier_run_aside says so
             return None
-        refuse_other_models(self.run_dir, self.config)
-        job.load_checkpoint(last)
+        with checkpoint_of_this_run(self.run_dir, self.config):  # refuses other models
+            job.load_checkpoint(last)
         log.info("resumed from %s", last)
         return job.iteration
 

@@ -4,12 +4,14 @@ which models and tensors a checkpoint holds (refused, :func:`refuse_other_models
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 
 import yaml
 
 from rlhflab.config import ConfigError
+from rlhflab.infra.checkpoint import CheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -68,3 +70,33 @@ def refuse_other_models(run_dir: Path, config: dict) -> None:
             "another alpha/r and the policy would not be the one trained; resume with "
             "the run's setting"
         )
+
+
+# the folders whose architecture the checkpoint's trained tensors are loaded into
+TRAINED_FOLDERS = ("policy", "critic")
+
+
+@contextlib.contextmanager
+def checkpoint_of_this_run(run_dir: Path, config: dict):
+    """Around loading a checkpoint for --resume: refuses other model settings first
+    (:func:`refuse_other_models`); a checkpoint whose tensors then do not fit the models
+    built, where a model folder differs from the one the run recorded, is said as that
+    setting (``model.policy=preset:tiny`` for a nano run met a shape error naming a tensor)."""
+    refuse_other_models(run_dir, config)
+    try:
+        yield
+    except CheckpointError as exc:
+        saved = run_dir / "config.yaml"
+        old = read_recorded_config(saved).get("model") if saved.is_file() else None
+        new = config.get("model") or {}
+        changed = [
+            f"model.{key} is {new.get(key)!r}, but the run was trained from {old[key]!r}"
+            for key in TRAINED_FOLDERS
+            if isinstance(old, dict) and old.get(key) and old.get(key) != new.get(key)
+        ]
+        if not changed:
+            raise
+        raise CheckpointError(
+            f"--resume: {'; '.join(changed)}: the checkpoint does not fit that model ({exc}); "
+            "resume with the run's setting (or start a new run elsewhere)"
+        ) from exc
