@@ -14,8 +14,8 @@
 What a step adds to the log beyond its metrics (sample answers, monitor alerts), the
 progress bar's summary and the facts the job adds to ``run.json`` (:mod:`rlhflab.infra.runinfo`:
 dates, wall time, versions, machine; written at the start and the end) are optional hooks
-of the loop. Under torchrun every rank runs the
-loop (each step and each save is collective); only rank 0 writes files.
+of the loop. Under torchrun every rank runs the loop (steps and saves are collective); only
+rank 0 writes files.
 """
 
 from __future__ import annotations
@@ -90,10 +90,8 @@ class RunLoop:
     is_main: bool = True  # rank 0 (or a single process): the one that writes files
     # (n) -> up to n sample answers of the last step, logged every log.sample_every steps
     samples: Callable[[int], list[dict]] | None = None
-    # (step) -> alerts raised at that step
-    alerts: Callable[[int], list[dict]] | None = None
-    # (metrics) -> the progress bar's summary
-    postfix: Callable[[dict], dict[str, str]] | None = None
+    alerts: Callable[[int], list[dict]] | None = None  # (step) -> alerts raised at that step
+    postfix: Callable[[dict], dict[str, str]] | None = None  # (metrics) -> the bar's summary
     # () -> facts the job adds to run.json (model sizes, the gold reward's story), called
     # when the run starts and when it ends
     facts: Callable[[], dict] | None = None
@@ -266,6 +264,8 @@ class RunLoop:
             return NullLog()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         saved = self.run_dir / "config.yaml"
+        # a resume with no step left to run keeps the run's record (changes are only said)
+        rewrite = resume_step is None or resume_step < self.total or not saved.is_file()
         if resume_step is not None and saved.is_file():
             changes = config_changes(read_recorded_config(saved), self.config)
             for line in changes:
@@ -274,7 +274,7 @@ class RunLoop:
             # config.yaml is replaced next: keep the settings the steps so far ran with (the
             # first copy for step N is the true one: a later resume at N again may follow a
             # resume whose own steps were lost)
-            if changes and not kept.exists():
+            if changes and rewrite and not kept.exists():
                 shutil.copy2(saved, kept)
                 log.warning(
                     "--resume: the settings of steps 1-%d are kept in %s", resume_step, kept
@@ -283,8 +283,8 @@ class RunLoop:
             self._set_earlier_run_aside(asked_resume)
         elif resume_step is None:
             self._clear_earlier_run()
-        # whole or not at all: a resume reads it back
-        write_text_atomic(saved, dump_yaml_text(self.config))
+        if rewrite:  # whole or not at all: a resume reads it back
+            write_text_atomic(saved, dump_yaml_text(self.config))
         return RunLog(self.run_dir, self.log.tensorboard, self.log.wandb, self.config, resume_step)
 
     def _clear_earlier_run(self) -> None:

@@ -1,0 +1,29 @@
+"""Defects found in stop 48, each pinned by a test that fails on the old code."""
+
+import logging
+
+from rlhflab.app.cli import main
+from rlhflab.trainers.ppo import PPOTrainer
+from tests.test_ppo import make_cfg
+
+FAST = ["ppo.iterations=1", "ppo.epochs=1", "ppo.minibatches=1", "log.checkpoint_every=1"]
+
+
+def test_resuming_a_finished_run_with_other_settings_keeps_its_record(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    # config.yaml is the record of the settings the steps ran with (the report reads it):
+    # a --resume with nothing left to run rewrote it with settings no step ran under
+    PPOTrainer(make_cfg(tmp_path, *FAST)).fit()
+    run = tmp_path / "run"
+    recorded = (run / "config.yaml").read_text()
+    config = str(tmp_path / "copy.yaml")
+    (tmp_path / "copy.yaml").write_text(recorded)
+    assert main(["ppo", "--config", config, "ppo.lr=0.5", "--resume"]) == 0
+    assert "already at step 1 of 1" in caplog.text
+    assert "ppo.lr: 0.001 → 0.5" in caplog.text  # the change is still said
+    assert (run / "config.yaml").read_text() == recorded
+    assert not list(run.glob("config.until-step-*.yaml"))
+    # with a step left to run, the new settings are the record and the old ones kept aside
+    assert main(["ppo", "--config", config, "ppo.lr=0.5", "ppo.iterations=2", "--resume"]) == 0
+    assert "lr: 0.5" in (run / "config.yaml").read_text()
+    assert (run / "config.until-step-1.yaml").read_text() == recorded
