@@ -27,3 +27,16 @@ def test_resuming_a_finished_run_with_other_settings_keeps_its_record(tmp_path, 
     assert main(["ppo", "--config", config, "ppo.lr=0.5", "ppo.iterations=2", "--resume"]) == 0
     assert "lr: 0.5" in (run / "config.yaml").read_text()
     assert (run / "config.until-step-1.yaml").read_text() == recorded
+
+
+def test_a_setting_given_twice_on_the_command_line_is_refused(capsys):
+    # the last one won without a word (a config file that sets a key twice is refused)
+    assert main(["ppo", "ppo.lr=1e-5", "rollout.max_new_tokens=8", "ppo.lr=3e-5"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == (
+        "error: ppo.lr: given twice on the command line ('ppo.lr=1e-5', then 'ppo.lr=3e-5'); "
+        "keep one"
+    )
+    # the same value twice is harmless: it goes on to the next check (the missing reward)
+    assert main(["ppo", "ppo.lr=1e-5", "ppo.lr=0.00001"]) == 2
+    assert "twice" not in capsys.readouterr().err

@@ -16,7 +16,12 @@ import sys
 from pathlib import Path
 
 from rlhflab.app.around import add_parsers, cmd_eval, cmd_export, cmd_generate, cmd_memory
-from rlhflab.app.user_errors import every_rank_errors, storage_error, user_errors
+from rlhflab.app.user_errors import (
+    every_rank_errors,
+    refuse_repeated_overrides,
+    storage_error,
+    user_errors,
+)
 from rlhflab.backends.allocator import CHOICES, ENV_CHOICE, AllocatorError, in_use, restart_under
 
 
@@ -352,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     else:  # each process has its own: every rank says which
         print(f"[rank {rank}] allocator: {in_use()}", file=sys.stderr)
     try:
+        refuse_repeated_overrides(getattr(args, "overrides", None))
         code = COMMANDS[args.command](args)
     except user_errors() as exc:
         # under torchrun every rank meets the same config errors and halts: rank 0 says

@@ -59,3 +59,21 @@ def storage_error(exc: BaseException) -> str | None:
     if any(w in str(exc) for w in WRITER_WORDS):
         return f"writing a file failed (is the disk full?): {str(exc).splitlines()[0]}"
     return None
+
+
+def refuse_repeated_overrides(overrides: list[str] | None) -> None:
+    """A command line that sets one key twice with different values (``ppo.lr=1e-5 ...
+    ppo.lr=3e-5``) is refused, as a config file that sets a key twice is: the last one
+    would win without a word. The same value twice is harmless."""
+    from rlhflab.config.base import ConfigError, parse_override
+
+    seen: dict[str, tuple[str, object]] = {}
+    for text in overrides or []:
+        path, value = parse_override(text)
+        key = ".".join(path)
+        if key in seen and seen[key][1] != value:
+            raise ConfigError(
+                f"{key}: given twice on the command line ({seen[key][0]!r}, then {text!r}); "
+                "keep one"
+            )
+        seen[key] = (text, value)
