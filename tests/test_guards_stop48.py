@@ -40,3 +40,18 @@ def test_a_setting_given_twice_on_the_command_line_is_refused(capsys):
     # the same value twice is harmless: it goes on to the next check (the missing reward)
     assert main(["ppo", "ppo.lr=1e-5", "ppo.lr=0.00001"]) == 2
     assert "twice" not in capsys.readouterr().err
+
+
+def test_memory_says_a_critic_free_estimate_is_not_checked_against_a_run():
+    # docs/memory.md says GRPO's group batches are not covered; the command said nothing
+    from rlhflab.config import load_config
+    from rlhflab.diagnostics.memory_format import not_counted
+
+    for estimator in ("grpo", "rloo"):
+        cfg = load_config(
+            overrides=[f"ppo.advantage_estimator={estimator}", "model.value_model=none"],
+            reward_given=True,
+        )
+        (line,) = not_counted(None, cfg)
+        assert f"rlhflab {estimator}'s own group batches are not yet measured" in line
+    assert not_counted(None, load_config(reward_given=True)) == []

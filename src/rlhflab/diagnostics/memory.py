@@ -291,7 +291,7 @@ def iteration_memory(cast, cfg) -> list[PhaseMemory]:
         )
         rows.append(PhaseMemory("monitor", what, max(peaks) + sum(kept.values()), True))
         if kept_from_scoring:  # the probe runs between steps 2 and 8
-            what = f"critic's graph kept from scoring, {tokens}"
+            what = f"+ beside the probe: the critic's graph kept from scoring, {tokens}"
             rows.append(PhaseMemory("monitor", what, critic[0], True))
 
     policy_kept, policy_peak = forward_backward_bytes(
