@@ -55,3 +55,28 @@ def test_memory_says_a_critic_free_estimate_is_not_checked_against_a_run():
         (line,) = not_counted(None, cfg)
         assert f"rlhflab {estimator}'s own group batches are not yet measured" in line
     assert not_counted(None, load_config(reward_given=True)) == []
+
+
+def test_the_report_groups_alerts_by_signal_and_folds_the_full_list():
+    # 387 rows of the same two signals filled a long run's report before its curves
+    from rlhflab.app.report_sections import alerts_table
+
+    alerts = [
+        {"iteration": i, "signal": "entropy_ratio", "value": 0.5 - i / 1000, "threshold": 0.6,
+         "message": "entropy fell — raise ppo.entropy_coef"}
+        for i in range(199, 400)
+    ] + [
+        {"iteration": i, "signal": "repeated_ngram_rate", "value": v, "threshold": 0.3,
+         "message": "repetition — lower the reward's length bonus"}
+        for i, v in ((200, 0.35), (250, 0.9), (399, 0.4))
+    ]  # fmt: skip
+    html = alerts_table(alerts)
+    grouped, folded = html.split("<details>")
+    assert grouped.count("<tr>") == 3  # header + one row per signal
+    assert (
+        "<td>entropy_ratio</td><td>201</td><td>199–399</td><td>0.101</td><td>0.600</td>" in grouped
+    )
+    assert "<td>repeated_ngram_rate</td><td>3</td><td>200–399</td><td>0.900</td>" in grouped
+    assert "raise ppo.entropy_coef" in grouped and grouped.count("raise ppo.entropy_coef") == 1
+    assert "every alert (204)" in folded and folded.count("<tr>") == 205
+    assert alerts_table([]) == "<p>No monitor fired.</p>"

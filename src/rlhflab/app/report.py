@@ -266,7 +266,7 @@ def build_report(run_dir: str | Path) -> Path:
     sections = [("verdict", "Verdict"), ("alerts", "Alerts"), ("run", "The run")]
     body = [
         P.verdict(rows, alerts, story, summary, (info or {}).get("stop_reason")),
-        "<h2 id='alerts'>Alerts</h2>" + P.alerts_table(alerts),
+        "<h2 id='alerts'>Alerts</h2>" + S.alerts_table(alerts),
         "<h2 id='run'>The run</h2>" + P.run_facts(info, rows, run),
     ]
     if summary:

@@ -271,23 +271,6 @@ def _held_out(summary: dict | None) -> list[str]:
     return out
 
 
-def alerts_table(alerts: list[dict]) -> str:
-    if not alerts:
-        return "<p>No monitor fired.</p>"
-    return table(
-        ["iteration", "signal", "value", "threshold", "what to try"],
-        [
-            [a["iteration"], a["signal"], num(a.get("value")), num(a.get("threshold")), _advice(a)]
-            for a in alerts
-        ],
-    )
-
-
-def _advice(alert: dict) -> str:
-    message = alert.get("message", "")
-    return message.split(" — ", 1)[1] if " — " in message else message
-
-
 def run_facts(info: dict | None, rows: list[dict], run: Path) -> str:
     """The run's metadata (run.json) as a two-column table."""
     if not info:

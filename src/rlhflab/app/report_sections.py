@@ -1,5 +1,5 @@
-"""The run report's samples, reward-model checks and config sections (the verdict and the
-tables are in :mod:`~.report_parts`); each returns an HTML fragment."""
+"""The run report's samples, reward-model checks, config and alerts sections (the verdict
+and the tables are in :mod:`~.report_parts`); each returns an HTML fragment."""
 
 from __future__ import annotations
 
@@ -343,3 +343,58 @@ def overoptimisation(rows: list[dict], story: dict) -> str:
         f"{where}.</p>"
     )
     return f"<h2 id='overopt'>Over-optimisation</h2>{text}<div class='one'>{chart}</div>"
+
+
+def alerts_table(alerts: list[dict]) -> str:
+    """One row per signal (how often, over which iterations, its value farthest past the
+    threshold), every alert folded below: one row per alert made a long run's page a table
+    of repeats (387 for a 400-iteration GRPO run), its curves out of sight."""
+    if not alerts:
+        return "<p>No monitor fired.</p>"
+    _step = lambda i: i if isinstance(i, (int, float)) else math.inf  # noqa: E731
+    by_signal: dict[str, list[dict]] = {}
+    for a in alerts:
+        by_signal.setdefault(str(a.get("signal")), []).append(a)
+    rows = []
+    for signal, fired in by_signal.items():
+        steps = [a.get("iteration") for a in fired]
+        first, last = min(steps, key=_step), max(steps, key=_step)
+        rows.append(
+            [
+                signal,
+                len(fired),
+                f"{first}" if first == last else f"{first}–{last}",
+                num(_worst(fired)),
+                num(fired[-1].get("threshold")),
+                _advice(fired[-1]),
+            ]
+        )
+    grouped = table(["signal", "alerts", "iterations", "worst", "threshold", "what to try"], rows)
+    every = table(
+        ["iteration", "signal", "value", "threshold"],
+        [[a.get("iteration"), a.get("signal"), num(a.get("value")), num(a.get("threshold"))]
+         for a in alerts],
+    )  # fmt: skip
+    return f"{grouped}<details><summary>every alert ({len(alerts)})</summary>{every}</details>"
+
+
+def _worst(fired: list[dict]):
+    """The value farthest past the signal's threshold (above or below it), or None."""
+    pairs = [
+        (a["value"], a.get("threshold"))
+        for a in fired
+        if isinstance(a.get("value"), (int, float)) and math.isfinite(a["value"])
+    ]
+    if not pairs:
+        return None
+    limit = pairs[-1][1]
+    if not isinstance(limit, (int, float)) or not math.isfinite(limit):
+        return pairs[-1][0]
+    below = sum(v < t for v, t in pairs if isinstance(t, (int, float))) > len(pairs) / 2
+    values = [v for v, _ in pairs]
+    return min(values) if below else max(values)
+
+
+def _advice(alert: dict) -> str:
+    message = alert.get("message", "")
+    return message.split(" — ", 1)[1] if " — " in message else message
