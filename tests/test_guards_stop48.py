@@ -80,3 +80,17 @@ def test_the_report_groups_alerts_by_signal_and_folds_the_full_list():
     assert "raise ppo.entropy_coef" in grouped and grouped.count("raise ppo.entropy_coef") == 1
     assert "every alert (204)" in folded and folded.count("<tr>") == 205
     assert alerts_table([]) == "<p>No monitor fired.</p>"
+
+
+def test_memory_reads_a_grpo_config_under_grpo_defaults(tmp_path, capsys):
+    # `rlhflab memory --config grpo.yaml` counted a critic GRPO never builds (value layout
+    # separate: 29.5 MiB where the run holds 16.4)
+    config = tmp_path / "g.yaml"
+    config.write_text("model:\n  policy: preset:nano\ngrpo:\n  group_size: 4\n")
+    assert main(["memory", "--config", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "\ncritic " in out and "give --method grpo (or rloo)" in out
+    assert main(["memory", "--config", str(config), "--method", "grpo"]) == 0
+    out = capsys.readouterr().out
+    assert "\ncritic " not in out and "--method" not in out
+    assert "rlhflab grpo's own group batches are not yet measured" in out

@@ -213,8 +213,13 @@ def cmd_memory(args) -> int:
     from rlhflab.experience.cast import build_cast
     from rlhflab.experience.rewards import CallableReward
 
-    cfg = load_config(args.config, args.overrides, reward_given=True)
+    # a grpo/rloo config read under PPO's defaults counted a critic those runs never build
+    method = getattr(args, "method", "ppo")
+    cfg = load_config(args.config, args.overrides, stage=method, reward_given=True)
     rw, extra = cfg.reward, ()
+    if method == "ppo" and cfg.model.value_model != "none" and _names_grpo(args.config):
+        print("the config has a grpo section: for rlhflab grpo or rloo, which build no critic, "
+              "give --method grpo (or rloo)")  # fmt: skip
     if not (rw.model or rw.ensemble or rw.functions):  # the models' table needs none
         print("reward: none set, so no reward model is counted (set reward.model to count one)")
         if cfg.model.reward_precision != "fp32":
@@ -231,3 +236,14 @@ def cmd_memory(args) -> int:
     if fits:
         print(fits)
     return 0
+
+
+def _names_grpo(path) -> bool:
+    """Whether the YAML file at ``path`` (None: no file) has a ``grpo`` section."""
+    import yaml
+
+    try:
+        loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8")) if path else None
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return False  # load_config has read it already
+    return isinstance(loaded, dict) and "grpo" in loaded

@@ -48,11 +48,14 @@ def build_parser() -> argparse.ArgumentParser:
         "installed, Linux only; it fragments less under PPO: docs/memory.md)",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    _config_args(
-        sub.add_parser(
-            "memory", help="bytes of each model in the configured cast, and what one iteration adds"
-        )
+    memory = sub.add_parser(
+        "memory", help="bytes of each model in the configured cast, and what one iteration adds"
     )
+    _config_args(memory)
+    memory.add_argument(
+        "--method", choices=("ppo", "grpo", "rloo"), default="ppo",
+        help="the command whose defaults the config is read under (grpo and rloo: no critic)",
+    )  # fmt: skip
     sub.add_parser(
         "config",
         help="print every config field of every command with its default and why, and the "
