@@ -72,9 +72,22 @@ def test_the_space_is_checked_before_any_trial():
         ({"sweep.method": {"choices": ["grpo"]}}, "set by the sweep for every trial"),
         ({"log.output_dir": {"choices": ["a", "b"]}}, "set by the sweep for every trial"),
         ({"sweep": {"choices": [{"method": "grpo"}]}}, "set by the sweep for every trial"),
+        # settings the method never reads: every trial the same run, its "best" noise
+        ({"dpo.beta": {"low": 0.1, "high": 0.5}}, "rlhflab ppo never reads dpo"),
+        ({"grpo.group_size": {"choices": [2, 4]}}, "read by grouped estimators"),
+        ({"seed": {"low": 0, "high": 3}}, "picks the luckiest"),
     ):
         with pytest.raises(ConfigError, match=message):
             check_space(space, base)
+    from rlhflab.config import DEFAULT_SPACES
+
+    for stage in ("ppo", "grpo", "rloo"):  # each method's own space passes
+        staged = to_dict(load_config(stage=stage, reward_given=True))
+        assert check_space(DEFAULT_SPACES[stage], staged, stage)
+    grpo = to_dict(load_config(stage="grpo", reward_given=True))
+    assert check_space({"grpo.group_size": {"choices": [2, 4]}}, grpo, "grpo")
+    with pytest.raises(ConfigError, match="rlhflab grpo never reads dpo"):
+        check_space({"dpo.beta": {"low": 0.1, "high": 0.5}}, grpo, "grpo")
 
 
 def test_a_study_rerun_as_another_experiment_is_refused():

@@ -61,14 +61,34 @@ def _number(value, where: str) -> float | int:
         raise ConfigError(f"{where}: expected a number, got {value!r}") from None
 
 
-def check_space(space: dict, base: dict) -> dict[str, dict]:
+def _unread(key: str, base: dict, stage: str, space: dict) -> str | None:
+    """Why trials of ``stage`` would not differ in setting ``key`` (None: they would)."""
+    section = str(key).split(".")[0]
+    if section in ("dpo", "sft"):
+        return f"rlhflab {stage} never reads {section}.* settings"
+    grouped = (base.get("ppo") or {}).get("advantage_estimator") in ("grpo", "rloo")
+    if section == "grpo" and not grouped and "ppo.advantage_estimator" not in space:
+        return "grpo.* settings are read by grouped estimators (sweep.method grpo or rloo) only"
+    return None
+
+
+def check_space(space: dict, base: dict, stage: str = "ppo") -> dict[str, dict]:
     """``space`` with its numbers parsed; each entry must name a setting that accepts the
-    range's ends (or every choice), so a typo fails before any trial runs."""
+    range's ends (or every choice), and one the trials read, so a typo or a setting of
+    another method fails before any trial runs."""
     if not isinstance(space, dict) or not space:
         raise ConfigError("sweep.space: expected a mapping of setting → range, not empty")
     out = {}
     for key, spec in space.items():
         where = f"sweep.space.{key}"
+        unread = _unread(key, base, stage, space)
+        if unread:  # every trial the same run: the best and the importances would be noise
+            raise ConfigError(f"{where}: {unread}, so every trial would be the same run")
+        if key == "seed":
+            raise ConfigError(
+                f"{where}: a search over seeds picks the luckiest one; search the settings on "
+                "one seed, then rerun the best on new seeds (docs/sweeps.md)"
+            )
         if str(key).startswith(FIXED_BY_THE_SWEEP) or key in ("sweep", "log"):  # or whole
             raise ConfigError(
                 f"{where}: set by the sweep for every trial (sweep.*, log.output_dir, "
@@ -297,7 +317,7 @@ def run_sweep(args) -> dict:
     name = args.name or name
     uses_gold(cfg)  # an impossible objective fails here, not in every trial
     base = configbase.to_dict(cfg)
-    space = check_space(cfg.sweep.space or DEFAULT_SPACES[stage], base)
+    space = check_space(cfg.sweep.space or DEFAULT_SPACES[stage], base, stage)
     made = not sweep_dir.exists()
     if sweep_dir.exists() and not sweep_dir.is_dir():
         raise ConfigError(f"--out: {sweep_dir} exists and is not a folder")
