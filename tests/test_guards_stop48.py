@@ -94,3 +94,54 @@ def test_memory_reads_a_grpo_config_under_grpo_defaults(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "\ncritic " not in out and "--method" not in out
     assert "rlhflab grpo's own group batches are not yet measured" in out
+
+
+def test_a_resume_trains_at_the_lr_and_kl_coef_it_says(tmp_path, caplog):
+    # docs/ppo.md: "a resume may change settings (a lower ppo.lr after a spike)"; the
+    # checkpoint's optimiser groups and β won, while the log said the new values
+    import json
+
+    fast = ["ppo.epochs=1", "ppo.minibatches=1", "log.checkpoint_every=1", "ppo.warmup_steps=0"]
+    PPOTrainer(make_cfg(tmp_path, "ppo.iterations=1", *fast)).fit()
+    changed = ["ppo.iterations=2", "ppo.lr=2e-4", "ppo.critic_lr=3e-4", "ppo.kl_coef=0.2"]
+    changed.append("ppo.weight_decay=0.5")
+    trainer = PPOTrainer(make_cfg(tmp_path, *fast, *changed))
+    trainer.fit(resume=True)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert [r["iteration"] for r in rows] == [1, 2]
+    assert rows[0]["lr/policy"] == 1e-3 and rows[0]["objective/kl_coef"] == 0.05
+    assert rows[1]["lr/policy"] == 2e-4
+    assert {g["lr"] for g in trainer.update.guard.critic_opt.param_groups} == {3e-4}
+    assert rows[1]["objective/kl_coef"] == 0.2
+    assert "β restarts at 0.2" in caplog.text
+    for opt in (trainer.update.guard.opt, trainer.update.guard.critic_opt):
+        assert {g["weight_decay"] for g in opt.param_groups} <= {0.5, 0.0}
+    # a resume with the recorded settings keeps the checkpoint's state as it was
+    again = PPOTrainer(make_cfg(tmp_path, *fast, *changed[1:], "ppo.iterations=3"))
+    again.fit(resume=True)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert rows[2]["lr/policy"] == 2e-4 and rows[2]["objective/kl_coef"] == 0.2
+
+
+def test_an_optimiser_state_brings_its_moments_not_its_settings():
+    # the same path for SFT, RM and DPO (trainers.common.load_single_model_state)
+    import torch
+
+    from rlhflab.backends.optim import FusedAdamW, LambdaSchedule
+    from rlhflab.trainers.common import load_keeping_settings
+
+    w = torch.nn.Parameter(torch.ones(3))
+    old = FusedAdamW([{"params": [w]}], lr=1.0, weight_decay=0.1, eps=1e-8)
+    sched = LambdaSchedule(old, lambda s: 1.0 / (1 + s))
+    w.grad = torch.ones(3)
+    old.step()
+    sched.step()
+    saved, saved_sched = old.state_dict(), sched.state_dict()
+    new = FusedAdamW([{"params": [w]}], lr=0.5, weight_decay=0.0, eps=1e-6)
+    new_sched = LambdaSchedule(new, lambda s: 1.0 / (1 + s))
+    load_keeping_settings(new, lambda: new.load_state_dict(saved))
+    new_sched.load_state_dict(saved_sched)
+    (group,) = new.param_groups
+    assert (group["lr"], group["weight_decay"], group["eps"]) == (0.25, 0.0, 1e-6)
+    assert torch.equal(new.state[w]["exp_avg"], old.state[w]["exp_avg"])
+    assert new_sched.last_epoch == 1

@@ -119,7 +119,7 @@ def test_resume_names_each_setting_that_changed(tmp_path, caplog):
     loop(tmp_path).run(CountingJob(tmp_path))
     changed = RunLoop(
         tmp_path,
-        5,
+        6,  # a step left to run (a finished run's record stays: test_guards_stop48)
         LogConfig(output_dir=str(tmp_path), progress=False, checkpoint_every=2),
         {"seed": 8, "ppo": {"lr": 1e-5}},
         "Test",

@@ -389,5 +389,7 @@ class LambdaSchedule:
         return {"base_lrs": list(self.base_lrs), "last_epoch": self.last_epoch}
 
     def load_state_dict(self, sd: dict) -> None:
-        self.base_lrs, self.last_epoch = list(sd["base_lrs"]), int(sd["last_epoch"])
+        # the step count only: the base lrs stay this run's config's, which a resume may
+        # change (a lower lr after a spike); the saved ones trained on at the old lr
+        self.last_epoch = int(sd["last_epoch"])
         self._apply()

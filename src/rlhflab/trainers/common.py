@@ -276,10 +276,22 @@ def single_model_state(trainer) -> dict:
     }
 
 
+def load_keeping_settings(optimizer, load: Callable[[], None]) -> None:
+    """Restore ``optimizer``'s moments and step counts with ``load()`` (its or FSDP's
+    state-dict loader), keeping the settings this run's config gave its parameter groups
+    (lr, weight decay, eps, betas): a state dict carries the settings of the run that wrote
+    it, and a resume that changed them trained on with the old ones while saying the new."""
+    kept = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    load()
+    for group, settings in zip(optimizer.param_groups, kept):
+        group.update(settings)
+
+
 def load_single_model_state(trainer, s: dict) -> None:
     """Restore what :func:`single_model_state` saved."""
     trainer.iteration = int(s["iteration"])
-    trainer.opt.load_state_dict(s["optim"])
+    # moments and step counts from the checkpoint; lr, weight decay, eps: the config's
+    load_keeping_settings(trainer.opt, lambda: trainer.opt.load_state_dict(s["optim"]))
     trainer.sched.load_state_dict(s["sched"])
     C.restore_rng(s["rng"], trainer.gens)
     trainer.scaler.load_state_dict(s.get("loss_scale", {}))  # fp16 runs; older checkpoints

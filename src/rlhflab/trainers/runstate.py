@@ -259,6 +259,7 @@ def restore_ppo_state(trainer, s: dict) -> None:
     trainer.iteration = int(s["iteration"])
     trainer.update.guard.load_state_dict(s)
     trainer.kl_ctl.load_state_dict(s["kl"])
+    _restart_changed_kl_coef(trainer)
     if trainer.cfg.ppo.kl_target is not None and not trainer.kl_ctl.value > 0:
         raise ConfigError(  # a β the horizon guard (2026-12-07) now keeps positive
             f"--resume: the checkpoint's adaptive β is {trainer.kl_ctl.value:g} (a KL bonus, "
@@ -274,3 +275,19 @@ def restore_ppo_state(trainer, s: dict) -> None:
         trainer.watch.best.load_state_dict(s["best"])
     if trainer.refresh is not None and s.get("refresh"):  # a run with refreshes
         trainer.refresh.load_state_dict(s["refresh"])
+
+
+def _restart_changed_kl_coef(trainer) -> None:
+    """A resume with another ``ppo.kl_coef`` than the run recorded: β restarts at it. The
+    checkpoint's β (the adaptive controller's, or one the monitor's raise_kl raised) is kept
+    otherwise; before, the new value was said as a change and never used."""
+    saved = Path(trainer.run_dir) / "config.yaml"
+    recorded = (read_recorded_config(saved).get("ppo") or {}) if saved.is_file() else {}
+    was, now = recorded.get("kl_coef"), trainer.cfg.ppo.kl_coef
+    if isinstance(was, (int, float)) and float(was) != now:
+        if trainer.ctx.is_main:
+            log.warning(
+                "--resume: ppo.kl_coef %g → %g: β restarts at %g (the checkpoint's was %.4g)",
+                was, now, now, trainer.kl_ctl.value,
+            )  # fmt: skip
+        trainer.kl_ctl.value = float(now)

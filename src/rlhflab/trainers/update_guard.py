@@ -24,7 +24,7 @@ from rlhflab.backends.optim import UpdateInBackward, clip_grad_norms
 from rlhflab.config import Config
 from rlhflab.infra import checkpoint as C
 from rlhflab.infra.distributed import load_optimizer_state, optimizer_state
-from rlhflab.trainers.common import Halt, build_optimizer, build_scheduler
+from rlhflab.trainers.common import Halt, build_optimizer, build_scheduler, load_keeping_settings
 
 log = logging.getLogger(__name__)
 
@@ -95,12 +95,17 @@ class GuardedUpdate:
 
     def load_state_dict(self, s: dict) -> None:
         strategy = self.cfg.dist.strategy
-        load_optimizer_state(self.cast.policy, self.opt, s["optim"], self.ctx, strategy)
+        # moments and step counts from the checkpoint; lr, weight decay, eps: the config's
+        load_keeping_settings(
+            self.opt,
+            lambda: load_optimizer_state(self.cast.policy, self.opt, s["optim"], self.ctx, strategy),
+        )  # fmt: skip
         self.sched.load_state_dict(s["sched"])
         if self.critic_opt:
-            load_optimizer_state(
-                self.cast.critic_values, self.critic_opt, s["critic_optim"], self.ctx, strategy
-            )
+            critic, opt = self.cast.critic_values, self.critic_opt
+            load_keeping_settings(
+                opt, lambda: load_optimizer_state(critic, opt, s["critic_optim"], self.ctx, strategy)
+            )  # fmt: skip
             self.critic_sched.load_state_dict(s["critic_sched"])
         self.skipped_total = int(s["faults"]["skipped_total"])
         self.consecutive_bad = int(s["faults"]["consecutive"])
