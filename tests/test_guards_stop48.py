@@ -121,6 +121,13 @@ def test_a_resume_trains_at_the_lr_and_kl_coef_it_says(tmp_path, caplog):
     again.fit(resume=True)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     assert rows[2]["lr/policy"] == 2e-4 and rows[2]["objective/kl_coef"] == 0.2
+    # the report's config tables show config.yaml (the last steps'): it says what changed
+    from rlhflab.app.report import build_report
+
+    text = build_report(tmp_path / "run").read_text()
+    assert "Settings changed at a resume</b> — after step 1 (config.until-step-1.yaml): " in text
+    assert "ppo.kl_coef: 0.05 → 0.2" in text and "ppo.lr: 0.001 → 0.0002" in text
+    assert "after step 2 (config.until-step-2.yaml): ppo.iterations: 2 → 3." in text
 
 
 def test_an_optimiser_state_brings_its_moments_not_its_settings():

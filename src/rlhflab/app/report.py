@@ -303,9 +303,8 @@ def build_report(run_dir: str | Path) -> Path:
         unread = html.escape(config["__unread__"])
         body.append(f"<h2 id='config'>Config</h2><p>{unread}: the run's settings are unknown.</p>")
     else:
-        body.append(
-            S.config_section(config, S.flat_defaults(_STAGES.get(trainer, "ppo")), started_in)
-        )
+        section = S.config_section(config, S.flat_defaults(_STAGES.get(trainer, "ppo")), started_in)
+        body.append(section.replace("</h2>", "</h2>" + P.settings_history(run), 1))
     toc = "".join(f"<li><a href='#{a}'>{html.escape(t)}</a></li>" for a, t in sections)
     when = (info or {}).get("started", "")[:16].replace("T", " ")
     head = (

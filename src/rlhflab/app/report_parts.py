@@ -347,3 +347,29 @@ def compare_table(compare: dict) -> str:
         ["method", *COMPARE_COLUMNS],
         [[r["method"], *(cell(c, r.get(c)) for c in COMPARE_COLUMNS)] for r in compare["rows"]],
     )
+
+
+def settings_history(run: Path) -> str:
+    """What a resume changed, span by span (``config.until-step-N.yaml`` holds the settings
+    steps up to N ran with; config.yaml the last span's, which the tables below show)."""
+    from rlhflab.trainers.resume_checks import config_changes, read_recorded_config
+
+    def step(p: Path) -> int:
+        tail = p.name[len("config.until-step-") : -len(".yaml")]
+        return int(tail) if tail.isdigit() else -1
+
+    kept = sorted((p for p in run.glob("config.until-step-*.yaml") if step(p) >= 0), key=step)
+    files = [*kept, run / "config.yaml"]
+    spans = []
+    for older, newer in zip(files, files[1:]):
+        changes = config_changes(read_recorded_config(older), read_recorded_config(newer))
+        if changes:
+            said = "; ".join(esc(c) for c in changes)
+            spans.append(f"after step {step(older)} ({esc(older.name)}): {said}")
+    if not spans:
+        return ""
+    return (
+        "<p class='m'><b>Settings changed at a resume</b> — "
+        + " · ".join(spans)
+        + ". The tables show the settings of the last steps.</p>"
+    )

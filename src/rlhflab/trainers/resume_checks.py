@@ -11,7 +11,6 @@ from pathlib import Path
 import yaml
 
 from rlhflab.config import ConfigError
-from rlhflab.infra.checkpoint import CheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +81,8 @@ def checkpoint_of_this_run(run_dir: Path, config: dict):
     (:func:`refuse_other_models`); a checkpoint whose tensors then do not fit the models
     built, where a model folder differs from the one the run recorded, is said as that
     setting (``model.policy=preset:tiny`` for a nano run met a shape error naming a tensor)."""
+    from rlhflab.infra.checkpoint import CheckpointError  # torch: not for the report's import
+
     refuse_other_models(run_dir, config)
     try:
         yield
