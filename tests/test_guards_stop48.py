@@ -152,3 +152,20 @@ def test_an_optimiser_state_brings_its_moments_not_its_settings():
     assert (group["lr"], group["weight_decay"], group["eps"]) == (0.25, 0.0, 1e-6)
     assert torch.equal(new.state[w]["exp_avg"], old.state[w]["exp_avg"])
     assert new_sched.last_epoch == 1
+
+
+def test_a_misspelt_attribute_on_a_config_object_is_refused():
+    # `cfg.ppo.lrr = 1e-3` trained at the default lr: the dict it was read through lost it
+    import pytest
+
+    import rlhflab
+    from rlhflab.config import ConfigError
+
+    cfg = rlhflab.Config()
+    cfg.ppo.lrr = 1e-3
+    with pytest.raises(ConfigError, match=r"unknown config key ppo.lrr \(set on the Config"):
+        rlhflab.PPOTrainer(config=cfg, reward=lambda prompts, answers: [0.0] * len(answers))
+    cfg = rlhflab.Config()
+    cfg.ppo.lr = 1e-3  # a field: taken
+    trainer = rlhflab.PPOTrainer(config=cfg, reward=lambda prompts, answers: [0.0] * len(answers))
+    assert trainer.config.ppo.lr == 1e-3

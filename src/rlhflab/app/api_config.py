@@ -19,6 +19,7 @@ def resolve_config(config, overrides, stage: str) -> Config:
     if isinstance(config, Config):
         from rlhflab.config.base import build, merge_overrides
 
+        _refuse_stray_attributes(config)
         return build(Config, merge_overrides(to_dict(config), overrides))
     if config is not None and not isinstance(config, (dict, str, os.PathLike)):
         raise ConfigError(
@@ -29,6 +30,25 @@ def resolve_config(config, overrides, stage: str) -> Config:
     base = config if isinstance(config, dict) else None
     # the reward may come from the trainer's arguments: checked in full once they are in
     return load_config(path, overrides, base, stage=stage, reward_given=True)
+
+
+def _refuse_stray_attributes(obj, prefix: str = "") -> None:
+    """A misspelt attribute set on a Config's section (``cfg.ppo.lrr = 1e-3``) is not one of
+    its fields, so the dict it is read through dropped it silently: refused, as the same
+    key in a file or an override is."""
+    import dataclasses
+
+    fields = {f.name: f for f in dataclasses.fields(obj)}
+    stray = sorted(set(vars(obj)) - set(fields))
+    if stray:
+        raise ConfigError(
+            f"unknown config key {prefix}{stray[0]} (set on the Config object); known keys "
+            f"here: {sorted(fields)}"
+        )
+    for name, f in fields.items():
+        value = getattr(obj, name)
+        if f.metadata.get("section") and dataclasses.is_dataclass(value):
+            _refuse_stray_attributes(value, f"{prefix}{name}.")
 
 
 def callback_list(callbacks) -> list:
