@@ -2,6 +2,7 @@
 with a separate critic, a LoRA run with a shared value head), made once per module."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,8 @@ from rlhflab.diagnostics.evaluate import heldout_prompts
 from rlhflab.experience.rollout import generate_rollout
 from rlhflab.infra.runs import load_policy
 from rlhflab.models.presets import preset_path
+
+BOOM_LINE = 9  # tests/reward_fns.py: boom's `return 1 / 0`
 
 PROMPTS = ("add: 1 2\nanswer:", "copy: cat dog\nanswer:", "sort: red fish\nanswer:")
 IDS = torch.tensor([[5, 17, 42, 9, 88, 3, 61]])
@@ -269,9 +272,12 @@ def test_errors_are_one_line_naming_the_culprit(runs, prompts_file, tmp_path, ca
     ev = ["eval", "--model", str(runs["full"]), "--prompts", str(prompts_file)]
     ev += ["--out", str(tmp_path / "e.json"), "--reward", "tests.reward_fns:boom"]
     assert main([*ev, "log.progress=false"]) == 2
-    assert error_line(capsys) == (
+    # the line of the user's function that raised is named: the one-line error lost it
+    said = error_line(capsys)
+    assert said.startswith(
         "error: reward function tests.reward_fns:boom raised ZeroDivisionError: division by zero"
-    )
+        " (at "
+    ) and said.endswith(f"{os.sep}tests{os.sep}reward_fns.py:{BOOM_LINE}, in boom)"), said
 
 
 def test_bad_prompts_are_reported_before_any_weight_is_loaded(runs, tmp_path, monkeypatch, capsys):

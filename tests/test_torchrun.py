@@ -70,9 +70,10 @@ def test_an_error_on_one_rank_alone_ends_the_run_with_its_line(tmp_path):
     done = _ppo_on_two_ranks(tmp_path, "flaky:reward", prompts=8, tokens=4, iterations=4)
     assert done.returncode != 0
     ours = [line for line in done.stderr.splitlines() if line.startswith("error")]
-    assert ours == [
-        "error (rank 1): reward function flaky:reward raised ValueError: reward service down"
-    ], done.stderr[-4000:]
+    assert len(ours) == 1 and ours[0].startswith(
+        "error (rank 1): reward function flaky:reward raised ValueError: reward service down (at "
+    ), done.stderr[-4000:]
+    assert ours[0].endswith("flaky.py:6, in reward)"), ours
 
 
 def _ppo_on_two_ranks(

@@ -14,3 +14,16 @@ class RlhflabError(Exception):
     :class:`~rlhflab.ModelLoadError`, :class:`~rlhflab.CheckpointError`,
     :class:`~rlhflab.RewardError`, :class:`~rlhflab.TrainingHalted` and the rest of
     rlhflab's own errors; the message says what to change."""
+
+
+def where_raised(exc: BaseException) -> str:
+    """`` (at FILE:LINE, in FUNCTION)`` for the innermost frame of ``exc``'s traceback — the
+    line of a user's function that raised, which the one-line error a command prints would
+    otherwise lose — or "" when it has none."""
+    tb = exc.__traceback__
+    if tb is None:
+        return ""
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    code = tb.tb_frame.f_code
+    return f" (at {code.co_filename}:{tb.tb_lineno}, in {code.co_name})"

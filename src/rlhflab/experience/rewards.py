@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from rlhflab.errors import RlhflabError
+from rlhflab.errors import RlhflabError, where_raised
 from rlhflab.models import (
     Offloaded,
     encode_prompt,
@@ -205,7 +205,7 @@ class CallableReward:
             out = self.fn(list(batch.prompts), list(batch.responses))
         except Exception as exc:
             raise RewardError(
-                f"reward function {self.name} raised {type(exc).__name__}: {exc}"
+                f"reward function {self.name} raised {type(exc).__name__}: {exc}{where_raised(exc)}"
             ) from exc
         parts = out if isinstance(out, dict) else {self.name: out}
         if not parts:  # else it adds 0 to every score and trains on nothing, silently

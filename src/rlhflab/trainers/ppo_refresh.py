@@ -33,6 +33,7 @@ from rlhflab import models as M
 from rlhflab.backends.loss_scale import LossScaler
 from rlhflab.builtin import tasks
 from rlhflab.config import Config, ConfigError
+from rlhflab.errors import where_raised
 from rlhflab.experience.data import PreferencePair, load_preferences
 from rlhflab.experience.ensemble import EnsembleReward
 from rlhflab.experience.rewards import (
@@ -339,6 +340,7 @@ def _user_labeller(spec: str):
         except Exception as exc:
             raise RewardError(
                 f"reward.refresh_labeller {spec} raised {type(exc).__name__}: {exc}"
+                f"{where_raised(exc)}"
             ) from exc
         per_head = out if isinstance(out, dict) else {PREFERENCE: out}
         columns = {h: _check_labels(spec, h, v, n) for h, v in per_head.items()}
