@@ -169,3 +169,37 @@ def test_a_misspelt_attribute_on_a_config_object_is_refused():
     cfg.ppo.lr = 1e-3  # a field: taken
     trainer = rlhflab.PPOTrainer(config=cfg, reward=lambda prompts, answers: [0.0] * len(answers))
     assert trainer.config.ppo.lr == 1e-3
+
+
+def test_a_halted_run_says_its_error_in_run_json_and_the_report(tmp_path):
+    # the log ends the step before a halt: the report said "2 updates were skipped" for a
+    # run halted on its third, and run.json only "TrainingHalted"
+    import json
+
+    import pytest
+
+    from rlhflab.app.report import build_report
+    from rlhflab.trainers.common import TrainingHalted
+
+    calls = []
+
+    def flaky(prompts, answers):
+        calls.append(1)
+        return [float("nan") if len(calls) > 1 else 0.5] * len(answers)
+
+    cfg = make_cfg(tmp_path, "ppo.iterations=6", "ppo.epochs=1", "ppo.minibatches=1")
+    cfg.reward.functions = {}
+    trainer = PPOTrainer(cfg, rewards=((_named(flaky), 1.0),))
+    with pytest.raises(TrainingHalted):
+        trainer.fit()
+    info = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert info["error"] == "TrainingHalted"
+    assert info["error_message"].startswith("PPO iteration 4: non-finite reward in 3 updates")
+    text = build_report(tmp_path / "run").read_text()
+    assert "The run ended with an error: PPO iteration 4: non-finite reward in 3" in text
+
+
+def _named(fn):
+    from rlhflab.experience.rewards import CallableReward
+
+    return CallableReward(fn, "flaky")

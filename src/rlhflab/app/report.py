@@ -221,6 +221,11 @@ def curve_groups(
     ]
 
 
+def _ending(info: dict | None) -> tuple:
+    """(stop reason, error message) from run.json."""
+    return (info or {}).get("stop_reason"), (info or {}).get("error_message")
+
+
 def _read(path: Path):
     return read_json(path) if path.is_file() else None
 
@@ -265,7 +270,7 @@ def build_report(run_dir: str | Path) -> Path:
     name = "/".join(run.resolve().parts[-2:])
     sections = [("verdict", "Verdict"), ("alerts", "Alerts"), ("run", "The run")]
     body = [
-        P.verdict(rows, alerts, story, summary, (info or {}).get("stop_reason")),
+        P.verdict(rows, alerts, story, summary, *_ending(info)),
         "<h2 id='alerts'>Alerts</h2>" + S.alerts_table(alerts),
         "<h2 id='run'>The run</h2>" + P.run_facts(info, rows, run),
     ]

@@ -73,13 +73,18 @@ def verdict(
     story: dict,
     summary: dict | None,
     stop_reason: str | None = None,
+    error: str | None = None,
 ) -> str:
     """The report's first block: what the run did to gold and proxy reward, its best
     iteration, its alerts, its final KL, the over-optimisation fit, and a plain sentence
-    when reward hacking is suspected."""
+    when reward hacking is suspected. ``error``: the message the run ended with (run.json),
+    said first — a halt's iteration and count are not in the log, whose last line is the
+    step before."""
     if not story and not any("objective/scores" in r for r in rows):
         return _verdict_without_reward(rows)
     facts, worries = [], []
+    if error:
+        worries.append(f"The run ended with an error: {esc(error)}")
     if story:
         a = story["smoothing"]
         line = (

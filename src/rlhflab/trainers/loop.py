@@ -100,8 +100,7 @@ class RunLoop:
     latest: Callable[[Path, bool], Path | None] = C.latest_checkpoint
 
     def __post_init__(self):
-        # recorded absolute: the run's config.yaml must find its base model and data from
-        # wherever export, generate, eval or --resume are run later
+        # absolute: export, generate, eval and --resume find base model and data from anywhere
         self.config = absolute_paths(self.config)
 
     def run(self, job: Job, resume: bool = False) -> RunResult:
@@ -201,8 +200,8 @@ class RunLoop:
         return info
 
     def _note_progress(self, info: dict, job: Job, seconds: float) -> None:
-        """run.json at a checkpoint: the wall time and steps so far, which a resume after a
-        ``kill -9`` adds its own to (the time after the last checkpoint is not counted)."""
+        """run.json at a checkpoint: wall time and steps so far, which a resume after a
+        ``kill -9`` adds its own to (time after the last checkpoint is not counted)."""
         if self.is_main:
             with contextlib.suppress(OSError):  # a record; the checkpoint itself is written
                 # not wall_s/steps: a report of the run still going (or killed) reads those
@@ -214,7 +213,7 @@ class RunLoop:
     def _end_info(self, info: dict, job: Job, reason: str | None, seconds: float) -> None:
         if not self.is_main:
             return
-        died_of = sys.exc_info()[0]  # called from a finally clause: the exception, if any
+        died_of, exc = sys.exc_info()[:2]  # called from a finally clause: the exception
         info = {
             **info,
             "finished": runinfo.now(),
@@ -223,6 +222,7 @@ class RunLoop:
             "total": self.total,
             "stop_reason": reason,
             "error": died_of.__name__ if died_of else None,
+            "error_message": str(exc)[:2000] if exc is not None else None,
             **self._facts(),
         }
         try:
