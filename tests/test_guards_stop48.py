@@ -203,3 +203,15 @@ def _named(fn):
     from rlhflab.experience.rewards import CallableReward
 
     return CallableReward(fn, "flaky")
+
+
+def test_sft_logs_the_learning_rate_each_step_trained_at(tmp_path):
+    # it logged the next step's: 1e-3 for a first step that trained at 5e-4 in warm-up
+    import json
+
+    args = ["sft", "model.policy=preset:nano", "sft.examples=20", "sft.batch_size=4"]
+    args += ["sft.steps=3", "sft.warmup_steps=2", "sft.lr=1e-3", "device=cpu"]
+    args += ["log.progress=false", f"sft.output_dir={tmp_path / 'sft'}"]
+    assert main(args) == 0
+    rows = [json.loads(x) for x in (tmp_path / "sft" / "run" / "metrics.jsonl").open()]
+    assert [r["lr"] for r in rows] == [5e-4, 1e-3, 1e-3]

@@ -136,6 +136,7 @@ class DPOTrainer:
             d.loss_type,
             d.label_smoothing,
         )
+        used = self.opt.param_groups[0]["lr"]  # this step's (the schedule moves in the step)
         value = supervised_step(
             self.policy,
             self.opt,
@@ -153,7 +154,7 @@ class DPOTrainer:
             # a tie counts half: at the first step, the policy still the reference, every
             # margin is 0 and the accuracy 0.5, not 0 (TRL counts ties as wrong)
             "rewards/accuracy": ((rc > rr).float() + 0.5 * (rc == rr).float()).mean().item(),
-            "lr/policy": self.opt.param_groups[0]["lr"],
+            "lr/policy": used,
         }
 
     def _answer_logprobs(self, model, prompts, answers) -> torch.Tensor:

@@ -126,6 +126,7 @@ class SupervisedTrainer:
         # log-probs and scores (autocast lowers matrix products only), as does backward
         with M.compute_autocast(self.device, self.cfg.model.compute_dtype):
             loss = self.batch_loss(idx)
+        used = self.opt.param_groups[0]["lr"]  # this step's (the schedule moves in the step)
         value = supervised_step(
             self.model,
             self.opt,
@@ -136,7 +137,7 @@ class SupervisedTrainer:
             scaler=self.scaler,
         )
         self.losses.append(value)
-        return {"loss": value, "lr": self.opt.param_groups[0]["lr"]}
+        return {"loss": value, "lr": used}
 
     def state_dict(self) -> dict:
         return {**single_model_state(self), "losses": list(self.losses)}
