@@ -107,7 +107,7 @@ def test_a_bad_file_reaches_the_command_as_one_line(tmp_path, monkeypatch, capsy
 def test_labels_that_are_not_json_name_the_row(tmp_path):
     f = tmp_path / "pairs.csv"
     f.write_text("prompt,chosen,rejected,labels\nx,a,b,{brevity: 1\n", encoding="utf-8")
-    with pytest.raises(DataError, match=r"pairs\.csv:2: field 'labels' is not a JSON object"):
+    with pytest.raises(DataError, match=r"pairs\.csv:2: field 'labels' is not JSON \(got '"):
         load_preferences(f)
 
 

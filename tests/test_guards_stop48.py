@@ -215,3 +215,20 @@ def test_sft_logs_the_learning_rate_each_step_trained_at(tmp_path):
     assert main(args) == 0
     rows = [json.loads(x) for x in (tmp_path / "sft" / "run" / "metrics.jsonl").open()]
     assert [r["lr"] for r in rows] == [5e-4, 1e-3, 1e-3]
+
+
+def test_a_too_long_sft_row_names_its_own_answer_field(tmp_path):
+    # an answer in 'completion' was called 'response' in the message
+    import pytest
+
+    from rlhflab.config import load_config
+    from rlhflab.experience.data import DataError
+    from rlhflab.models.build import load_tokenizer_for
+    from rlhflab.trainers.sft import load_sft_pairs
+
+    rows = tmp_path / "sft.jsonl"
+    rows.write_text('{"prompt": "say", "completion": "a b c d e f g h i j k l m n o p"}\n')
+    cfg = load_config(overrides=["model.policy=preset:nano"], reward_given=True)
+    tokenizer = load_tokenizer_for(cfg.model.policy, cfg.model)
+    with pytest.raises(DataError, match=r"sft\.jsonl:1: prompt \+ 'completion' \+ EOS is"):
+        load_sft_pairs(str(rows), tokenizer, None, 6, "error")

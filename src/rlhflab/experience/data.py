@@ -134,6 +134,13 @@ def _prompt_from_row(row: dict, tokenizer, max_tokens, where, prompt_field, mess
     return text
 
 
+def sft_answer_field(row: dict) -> str:
+    """The field an SFT row's answer came from (for messages naming it)."""
+    if row.get("prompt") in (None, "") and row.get("messages") not in (None, ""):
+        return "messages"
+    return "completion" if row.get("completion") is not None else "response"
+
+
 def sft_pair(row: dict, tokenizer, where: str) -> tuple[str, str]:
     """(prompt, response) of an SFT row: ``prompt`` with ``completion`` or ``response``, or a
     whole conversation in ``messages`` (see :func:`chat.render_answers` for the cut)."""
@@ -283,8 +290,11 @@ def _labels(row: dict, where: str) -> dict:
     if isinstance(labels, str):  # CSV cells hold JSON text
         try:
             labels = json.loads(labels)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{where}: field 'labels' is not a JSON object ({exc.msg})") from None
+        except json.JSONDecodeError:
+            raise DataError(
+                f"{where}: field 'labels' is not JSON (got {labels!r}); give an object of "
+                'attributes to numbers in [0, 1], e.g. {"helpful": 1}'
+            ) from None
     if isinstance(labels, dict):  # a struct column gives every row every key: None = unlabelled
         labels = {k: v for k, v in labels.items() if v is not None}
     # a bool is an int to Python, but true/false is no preference strength: said, not read

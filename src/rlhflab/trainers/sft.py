@@ -15,7 +15,14 @@ from rlhflab import models as M
 from rlhflab.builtin import tasks
 from rlhflab.config import Config
 from rlhflab.core import algorithms as A
-from rlhflab.experience.data import BadRows, DataError, check_fits, open_rows, sft_pair
+from rlhflab.experience.data import (
+    BadRows,
+    DataError,
+    check_fits,
+    open_rows,
+    sft_answer_field,
+    sft_pair,
+)
 from rlhflab.infra.distributed import resolve_device
 from rlhflab.models.build import finish_models, load_model, load_tokenizer_for, to_trained
 from rlhflab.trainers.common import refuse_before_models
@@ -46,7 +53,8 @@ def load_sft_pairs(
             if isinstance(row, DataError):
                 raise row
             prompt, response = sft_pair(row, tokenizer, rows.where(n))
-            check_fits(tokenizer, max_tokens, rows.where(n), prompt, {"response": response})
+            answer = {sft_answer_field(row): response}  # the row's own field named
+            check_fits(tokenizer, max_tokens, rows.where(n), prompt, answer)
             pairs.append((prompt, response))
         except DataError as exc:
             skip.bad(exc)
