@@ -232,3 +232,16 @@ def test_a_too_long_sft_row_names_its_own_answer_field(tmp_path):
     tokenizer = load_tokenizer_for(cfg.model.policy, cfg.model)
     with pytest.raises(DataError, match=r"sft\.jsonl:1: prompt \+ 'completion' \+ EOS is"):
         load_sft_pairs(str(rows), tokenizer, None, 6, "error")
+
+
+def test_a_bad_value_inside_a_mapping_setting_of_a_file_names_the_file(tmp_path, capsys):
+    # "reward.functions.mod:fn: expected float" lost the file's name (others had it)
+    config = tmp_path / "c8.yaml"
+    config.write_text(
+        "model:\n  policy: preset:nano\nreward:\n  functions:\n"
+        "    rlhflab.builtin.toy_rewards:vowel_reward: x\n"
+    )
+    assert main(["ppo", "--config", str(config)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"error: {config}: reward.functions.rlhflab.builtin.toy_rewards"), err
+    assert err.endswith("expected float, got 'x'"), err

@@ -257,8 +257,7 @@ def load(
 
 
 def field_of(message: str) -> str:
-    """The dotted setting a build error is about: its first word before ':', or the key
-    of "unknown config key KEY; ..."."""
+    """The dotted setting a build error names: before its first ':', or the unknown key."""
     unknown = "unknown config key "
     if message.startswith(unknown):
         return message[len(unknown) :].split(";", 1)[0]
@@ -266,15 +265,17 @@ def field_of(message: str) -> str:
 
 
 def set_in(field: str, loaded: dict, overrides) -> bool:
-    """Whether the dotted ``field`` is set in the file's mapping ``loaded`` and no override
-    replaced it."""
-    node = loaded
+    """Whether dotted ``field`` is set in the file's ``loaded`` and no override replaced it."""
+    node, path = loaded, []
     for part in field.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return False
-        node = node[part]
+        if not isinstance(node, dict) or part not in node:  # past section.field: a key
+            if len(path) < 2:  # of a mapping-valued setting ("reward.functions.mod:fn")
+                return False
+            break
+        node, path = node[part], [*path, part]
     given = overrides.keys() if isinstance(overrides, dict) else overrides or ()
-    return not any(str(o).split("=", 1)[0].strip() == field for o in given)
+    named = {field, ".".join(path)}
+    return not any(str(o).split("=", 1)[0].strip() in named for o in given)
 
 
 def _yaml_problem(exc: yaml.YAMLError) -> str:
