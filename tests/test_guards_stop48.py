@@ -245,3 +245,21 @@ def test_a_bad_value_inside_a_mapping_setting_of_a_file_names_the_file(tmp_path,
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith(f"error: {config}: reward.functions.rlhflab.builtin.toy_rewards"), err
     assert err.endswith("expected float, got 'x'"), err
+
+
+def test_python_overrides_of_another_type_and_yaml_booleans_for_text_are_one_line(capsys):
+    import pytest
+
+    import rlhflab
+    from rlhflab.config import ConfigError
+
+    for bad in (5, [1], ["ppo.lr=1e-5", None]):
+        with pytest.raises(ConfigError, match=r"overrides: a dict of dotted keys .* got "):
+            rlhflab.PPOTrainer(overrides=bad, reward=lambda p, a: [0.0] * len(a))
+    # YAML 1.1 reads yes as true: the message says so (it said only "expected str, got True")
+    assert main(["ppo", "reward.normalize=yes"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == (
+        "error: reward.normalize: expected str, got True (YAML reads it as true/false "
+        "(yes, no, on, off); quote it)"
+    )

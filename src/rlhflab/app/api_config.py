@@ -16,6 +16,14 @@ def resolve_config(config, overrides, stage: str) -> Config:
     the stage's defaults, as a file is) or a Config (used as it stands); ``overrides``: a
     dict ``{"ppo.lr": 1e-5}`` or a list ``["ppo.lr=1e-5"]``. Not yet validated: the
     trainer sets its inputs first."""
+    if overrides is not None and (
+        not isinstance(overrides, (dict, list, tuple))
+        or not all(isinstance(o, str) for o in overrides)
+    ):
+        raise ConfigError(  # not a TypeError from deep inside the merge
+            "overrides: a dict of dotted keys ({'ppo.lr': 1e-5}) or a list of 'key=value' "
+            f"strings (['ppo.lr=1e-5']), got {overrides!r}"
+        )
     if isinstance(config, Config):
         from rlhflab.config.base import build, merge_overrides
 

@@ -89,15 +89,15 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if tp is float and isinstance(value, str) and _YAML11_FLOAT.match(value.strip()):
-        # YAML 1.1 reads "3e-4" (no dot) as a string; it is unambiguously a number.
-        return float(value)
+        return float(value)  # YAML 1.1 reads "3e-4" (no dot) as a string: it is a number
     if tp is bool and not isinstance(value, bool):
         raise ConfigError(f"{name}: expected true or false, got {value!r}")
     if tp is int and isinstance(value, bool):
         raise ConfigError(f"{name}: expected an integer, got {value!r}")
-    if tp is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+    if tp is str and isinstance(value, (int, float)):  # YAML's yes/no/on/off: booleans
+        what = "true/false (yes, no, on, off)" if isinstance(value, bool) else "a number"
         raise ConfigError(
-            f"{name}: expected str, got {value!r} (YAML reads it as a number; quote it for text)"
+            f"{name}: expected str, got {value!r} (YAML reads it as {what}; quote it)"
         )
     if isinstance(tp, type) and not isinstance(value, tp):
         raise ConfigError(f"{name}: expected {_type_name(tp)}, got {value!r}")
