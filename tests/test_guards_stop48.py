@@ -263,3 +263,25 @@ def test_python_overrides_of_another_type_and_yaml_booleans_for_text_are_one_lin
         "error: reward.normalize: expected str, got True (YAML reads it as true/false "
         "(yes, no, on, off); quote it)"
     )
+
+
+def test_prompts_whose_messages_end_with_an_answer_are_said(tmp_path, caplog):
+    # an SFT conversation given as PPO prompts was trained on silently: the policy answered
+    # after the answer
+    import json
+
+    from rlhflab.config import load_config
+    from rlhflab.experience.data import load_prompts
+    from rlhflab.models.build import load_tokenizer_for
+
+    rows = tmp_path / "p.jsonl"
+    user = {"role": "user", "content": "add 2 and 3"}
+    lines = [{"messages": [user]}, {"messages": [user, {"role": "assistant", "content": "5"}]}]
+    lines.append({"prompt": [user, {"role": "assistant", "content": "5"}]})
+    rows.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    cfg = load_config(overrides=["model.policy=preset:nano"], reward_given=True)
+    tokenizer = load_tokenizer_for(cfg.model.policy, cfg.model)
+    prompts, _ = load_prompts(str(rows), tokenizer, 64)
+    assert len(prompts) == 3
+    assert "p.jsonl: 2 prompts end with the assistant's turn (first: " in caplog.text
+    assert "p.jsonl:2)" in caplog.text

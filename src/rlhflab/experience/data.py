@@ -79,6 +79,7 @@ def load_prompts(
     skip = BadRows(on_bad_row, report)
     rows = open_rows(source, split)
     both = 0  # rows with both fields (many Hub prompt sets): the prompt field is read
+    answered = []  # rows whose messages end with the assistant's turn (an SFT conversation)
     for n, row in rows:
         try:
             if isinstance(row, DataError):
@@ -90,6 +91,8 @@ def load_prompts(
                 )
             )
             report.rows += 1
+            if _ends_answered(row, prompt_field, messages_field):
+                answered.append(rows.where(n))
         except DataError as exc:
             skip.bad(exc)
     if both:
@@ -99,10 +102,32 @@ def load_prompts(
             rows.name, both, "s hold" if both > 1 else " holds", prompt_field, messages_field,
             prompt_field,
         )  # fmt: skip
+    if answered:
+        log.warning(
+            "%s: %d prompt%s end%s with the assistant's turn (first: %s): the policy answers "
+            "after that answer; a prompt's messages end with the user's turn",
+            rows.name, len(answered), "s" * (len(answered) > 1), "s" * (len(answered) == 1),
+            answered[0],
+        )  # fmt: skip
     skip.say(rows.name)
     if not prompts:
         raise DataError(f"{rows.name}: no usable prompt rows")
     return prompts, report
+
+
+def _ends_answered(row: dict, prompt_field: str, messages_field: str) -> bool:
+    """Whether the row's prompt messages (read as :func:`_prompt_from_row` reads them) end
+    with an assistant turn."""
+    value = row.get(prompt_field)
+    if value in (None, ""):
+        value = row.get(messages_field)
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError:
+                return False
+    last = value[-1] if isinstance(value, list) and value else None
+    return isinstance(last, dict) and last.get("role") == "assistant"
 
 
 def _prompt_from_row(row: dict, tokenizer, max_tokens, where, prompt_field, messages_field) -> str:
