@@ -285,3 +285,12 @@ def test_prompts_whose_messages_end_with_an_answer_are_said(tmp_path, caplog):
     assert len(prompts) == 3
     assert "p.jsonl: 2 prompts end with the assistant's turn (first: " in caplog.text
     assert "p.jsonl:2)" in caplog.text
+
+
+def test_a_negative_final_kl_is_said_as_a_sampled_estimate():
+    from rlhflab.app.report_parts import verdict
+
+    row = {"iteration": 1, "objective/scores": 0.5, "objective/kl_coef": 0.05}
+    said = verdict([{**row, "objective/kl": -0.004}], [], {}, None)
+    assert "-0.004 nats per answer (β 0.05) — below 0: a sampled estimate" in said
+    assert "below 0" not in verdict([{**row, "objective/kl": 0.2}], [], {}, None)

@@ -149,6 +149,12 @@ def verdict(
         facts.append(
             f"<b>Final KL</b> to the reference: {last['objective/kl']:.3f} nats per answer"
             + (f" (β {beta:.3g})" if _finite(beta) else "")
+            # the batch's sampled estimate (the log-ratio's mean): noise can take it below 0
+            + (
+                " — below 0: a sampled estimate, none measurable"
+                if last["objective/kl"] < 0
+                else ""
+            )
         )
     fit = story.get("fit") if story else None
     # a fit through a few batches at KL ≈ 0 ("peaks near KL 0.00, ended at 0.00, past
