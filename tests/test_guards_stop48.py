@@ -294,3 +294,17 @@ def test_a_negative_final_kl_is_said_as_a_sampled_estimate():
     said = verdict([{**row, "objective/kl": -0.004}], [], {}, None)
     assert "-0.004 nats per answer (β 0.05) — below 0: a sampled estimate" in said
     assert "below 0" not in verdict([{**row, "objective/kl": 0.2}], [], {}, None)
+
+
+def test_a_run_that_ends_well_inside_a_callers_except_is_not_recorded_as_failed(tmp_path):
+    # sys.exc_info() in the loop's finally also saw the exception the caller was handling
+    # (the "lower the lr after a halt" pattern): a finished run got error=TrainingHalted
+    import json
+
+    cfg = make_cfg(tmp_path, *FAST)
+    try:
+        raise ValueError("the caller's own")
+    except ValueError:
+        PPOTrainer(cfg).fit()
+    info = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert info["error"] is None and info["error_message"] is None

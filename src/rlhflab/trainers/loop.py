@@ -24,7 +24,6 @@ import contextlib
 import logging
 import os
 import shutil
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -140,15 +139,14 @@ class RunLoop:
         )
         metrics: dict = {}
         reason = None
-        info = self._start_info(job, resume_step)
+        info, died = self._start_info(job, resume_step), None
         try:
             for _ in bar:
                 metrics = job.step()
                 job.iteration += 1
                 logged = self._record(runlog, job.iteration, metrics)
                 if hasattr(bar, "set_postfix") and self.postfix is not None:
-                    # drawn with the bar's next update, at its pace: a refresh here redrew
-                    # every step into a log file whatever the bar's interval
+                    # drawn at the bar's pace (a refresh here redrew every step into a log)
                     bar.set_postfix(refresh=False, **self.postfix(metrics))
                 asked = _hooks_stop(job, metrics)  # every step, the trainer's last one too
                 reason = job.stop_reason or asked
@@ -160,9 +158,12 @@ class RunLoop:
                 if reason:
                     log.warning("stopped: %s", reason)
                     break
+        except BaseException as exc:  # this run's own (sys.exc_info() in the finally also
+            died = exc  # gave one a caller was handling around this fit(): "failed")
+            raise
         finally:
             runlog.close()
-            self._end_info(info, job, reason, time.perf_counter() - start)
+            self._end_info(info, job, reason, time.perf_counter() - start, died)
         if resume_step is not None and job.iteration == resume_step:
             # resumed where the run had already ended: no step ran in this call, and what
             # it returns is the last step's logged metrics, not {} (a KeyError in the
@@ -210,10 +211,9 @@ class RunLoop:
                 note = {"wall_s_at_checkpoint": wall, "checkpoint_step": job.iteration}
                 runinfo.write_run_info(self.run_dir, {**info, **note})
 
-    def _end_info(self, info: dict, job: Job, reason: str | None, seconds: float) -> None:
+    def _end_info(self, info, job: Job, reason, seconds: float, exc=None) -> None:
         if not self.is_main:
             return
-        died_of, exc = sys.exc_info()[:2]  # called from a finally clause: the exception
         info = {
             **info,
             "finished": runinfo.now(),
@@ -221,7 +221,7 @@ class RunLoop:
             "steps": job.iteration,
             "total": self.total,
             "stop_reason": reason,
-            "error": died_of.__name__ if died_of else None,
+            "error": type(exc).__name__ if exc is not None else None,
             "error_message": str(exc)[:2000] if exc is not None else None,
             **self._facts(),
         }
