@@ -2,6 +2,8 @@
 
 import logging
 
+import pytest
+
 from rlhflab.app.cli import main
 from rlhflab.trainers.ppo import PPOTrainer
 from tests.test_ppo import make_cfg
@@ -104,7 +106,7 @@ def test_a_resume_trains_at_the_lr_and_kl_coef_it_says(tmp_path, caplog):
     fast = ["ppo.epochs=1", "ppo.minibatches=1", "log.checkpoint_every=1", "ppo.warmup_steps=0"]
     PPOTrainer(make_cfg(tmp_path, "ppo.iterations=1", *fast)).fit()
     changed = ["ppo.iterations=2", "ppo.lr=2e-4", "ppo.critic_lr=3e-4", "ppo.kl_coef=0.2"]
-    changed.append("ppo.weight_decay=0.5")
+    changed += ["ppo.weight_decay=0.5", "ppo.adam_eps=1e-3"]
     trainer = PPOTrainer(make_cfg(tmp_path, *fast, *changed))
     trainer.fit(resume=True)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
@@ -112,15 +114,16 @@ def test_a_resume_trains_at_the_lr_and_kl_coef_it_says(tmp_path, caplog):
     assert rows[0]["lr/policy"] == 1e-3 and rows[0]["objective/kl_coef"] == 0.05
     assert rows[1]["lr/policy"] == 2e-4
     assert {g["lr"] for g in trainer.update.guard.critic_opt.param_groups} == {3e-4}
-    assert rows[1]["objective/kl_coef"] == 0.2
-    assert "β restarts at 0.2" in caplog.text
+    assert rows[1]["objective/kl_coef"] == pytest.approx(0.2)
+    assert "ppo.kl_coef 0.05 → 0.2: β 0.05 → 0.2" in caplog.text
     for opt in (trainer.update.guard.opt, trainer.update.guard.critic_opt):
-        assert {g["weight_decay"] for g in opt.param_groups} <= {0.5, 0.0}
+        assert 0.5 in {g["weight_decay"] for g in opt.param_groups}
+        assert {g["eps"] for g in opt.param_groups} == {1e-3}
     # a resume with the recorded settings keeps the checkpoint's state as it was
     again = PPOTrainer(make_cfg(tmp_path, *fast, *changed[1:], "ppo.iterations=3"))
     again.fit(resume=True)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
-    assert rows[2]["lr/policy"] == 2e-4 and rows[2]["objective/kl_coef"] == 0.2
+    assert rows[2]["lr/policy"] == 2e-4 and rows[2]["objective/kl_coef"] == pytest.approx(0.2)
     # the report's config tables show config.yaml (the last steps'): it says what changed
     from rlhflab.app.report import build_report
 
@@ -308,3 +311,19 @@ def test_a_run_that_ends_well_inside_a_callers_except_is_not_recorded_as_failed(
         PPOTrainer(cfg).fit()
     info = json.loads((tmp_path / "run" / "run.json").read_text())
     assert info["error"] is None and info["error_message"] is None
+
+
+def test_a_resume_with_fewer_updates_an_iteration_keeps_the_schedule_s_iteration(tmp_path):
+    # the schedule counts optimiser steps: 2 updates an iteration resumed as 1 put a linear
+    # decay past its end (lr 0 for the rest of the run), silently
+    import json
+
+    fast = ["ppo.minibatches=1", "log.checkpoint_every=1", "ppo.lr_schedule=linear"]
+    PPOTrainer(make_cfg(tmp_path, "ppo.iterations=2", "ppo.epochs=2", *fast)).fit()
+    # the step-2 checkpoint: 4 of 8 optimiser steps; as 1 update an iteration of 4 iterations
+    # that is iteration 2 of 4 (step 2 of 4): lr 1e-3 × (1 − 2/4) after iteration 3's update
+    PPOTrainer(make_cfg(tmp_path, "ppo.iterations=4", "ppo.epochs=1", *fast)).fit(resume=True)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert [r["iteration"] for r in rows] == [1, 2, 3, 4]
+    assert rows[2]["lr/policy"] == pytest.approx(1e-3 * (1 - 3 / 4))
+    assert rows[3]["lr/policy"] == pytest.approx(0.0)

@@ -225,6 +225,9 @@ def ppo_state(trainer) -> dict:
         "optim": update["optim"],
         "sched": update["sched"],
         "kl": trainer.kl_ctl.state_dict(),
+        # the settings a resume rescales by where they changed (β, the schedule's position)
+        "kl_coef": trainer.cfg.ppo.kl_coef,
+        "updates_per_iteration": trainer.cfg.ppo.epochs * trainer.cfg.ppo.minibatches,
         "critic_optim": update["critic_optim"],
         "critic_sched": update["critic_sched"],
         "rng": gathered_rng(trainer.gens, trainer.ctx),
@@ -259,7 +262,7 @@ def restore_ppo_state(trainer, s: dict) -> None:
     trainer.iteration = int(s["iteration"])
     trainer.update.guard.load_state_dict(s)
     trainer.kl_ctl.load_state_dict(s["kl"])
-    _restart_changed_kl_coef(trainer)
+    _restart_changed_kl_coef(trainer, s)
     if trainer.cfg.ppo.kl_target is not None and not trainer.kl_ctl.value > 0:
         raise ConfigError(  # a β the horizon guard (2026-12-07) now keeps positive
             f"--resume: the checkpoint's adaptive β is {trainer.kl_ctl.value:g} (a KL bonus, "
@@ -277,17 +280,27 @@ def restore_ppo_state(trainer, s: dict) -> None:
         trainer.refresh.load_state_dict(s["refresh"])
 
 
-def _restart_changed_kl_coef(trainer) -> None:
-    """A resume with another ``ppo.kl_coef`` than the run recorded: β restarts at it. The
-    checkpoint's β (the adaptive controller's, or one the monitor's raise_kl raised) is kept
-    otherwise; before, the new value was said as a change and never used."""
-    saved = Path(trainer.run_dir) / "config.yaml"
-    recorded = (read_recorded_config(saved).get("ppo") or {}) if saved.is_file() else {}
-    was, now = recorded.get("kl_coef"), trainer.cfg.ppo.kl_coef
-    if isinstance(was, (int, float)) and float(was) != now:
+def _restart_changed_kl_coef(trainer, s: dict) -> None:
+    """A resume with another ``ppo.kl_coef`` than the checkpoint's run: β is scaled by
+    now / was, keeping what the adaptive controller or the monitor's raise_kl made of it
+    (before, the new value was said as a change and never used). Checkpoints from before
+    2026-12-08 hold no kl_coef: the settings recorded for their step are read instead."""
+    was = s.get("kl_coef")
+    if was is None:
+        run = Path(trainer.run_dir)
+        kept = run / f"config.until-step-{int(s['iteration'])}.yaml"
+        saved = kept if kept.is_file() else run / "config.yaml"
+        was = (
+            (read_recorded_config(saved).get("ppo") or {}).get("kl_coef")
+            if saved.is_file()
+            else None
+        )
+    now = trainer.cfg.ppo.kl_coef
+    if isinstance(was, (int, float)) and was > 0 and float(was) != now:
+        beta = trainer.kl_ctl.value * now / float(was)
         if trainer.ctx.is_main:
             log.warning(
-                "--resume: ppo.kl_coef %g → %g: β restarts at %g (the checkpoint's was %.4g)",
-                was, now, now, trainer.kl_ctl.value,
+                "--resume: ppo.kl_coef %g → %g: β %.4g → %.4g (scaled by the same factor)",
+                was, now, trainer.kl_ctl.value, beta,
             )  # fmt: skip
-        trainer.kl_ctl.value = float(now)
+        trainer.kl_ctl.value = beta

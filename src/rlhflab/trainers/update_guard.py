@@ -107,9 +107,28 @@ class GuardedUpdate:
                 opt, lambda: load_optimizer_state(critic, opt, s["critic_optim"], self.ctx, strategy)
             )  # fmt: skip
             self.critic_sched.load_state_dict(s["critic_sched"])
+        self._rescale_schedules(s.get("updates_per_iteration"))
         self.skipped_total = int(s["faults"]["skipped_total"])
         self.consecutive_bad = int(s["faults"]["consecutive"])
         self.scaler.load_state_dict(s.get("loss_scale", {}))
+
+    def _rescale_schedules(self, was: int | None) -> None:
+        """The schedules count optimiser steps, their length ppo.iterations × epochs ×
+        minibatches of this config: where a resume changed the updates per iteration, the
+        position is moved to the same iteration (else a linear decay from 4 updates an
+        iteration to 1 ended at lr 0 halfway). None: a checkpoint from before it was kept."""
+        now = self.cfg.ppo.epochs * self.cfg.ppo.minibatches
+        if not was or was == now:
+            return
+        for sched in (self.sched, self.critic_sched):
+            if sched is not None:
+                sched.last_epoch = round(sched.last_epoch * now / was)
+                sched.load_state_dict(sched.state_dict())  # its lrs at the new position
+        if self.ctx.is_main:
+            log.warning(
+                "--resume: %d updates an iteration, not %d: the lr schedule goes on from step "
+                "%d of %d", now, was, self.sched.last_epoch, self.cfg.ppo.iterations * now,
+            )  # fmt: skip
 
     def _norm_names(self) -> list[str]:
         """The logged gradient-norm name of each optimiser, in (policy, critic) order: a
