@@ -199,7 +199,14 @@ def test_a_halted_run_says_its_error_in_run_json_and_the_report(tmp_path):
     assert info["error"] == "TrainingHalted"
     assert info["error_message"].startswith("PPO iteration 4: non-finite reward in 3 updates")
     text = build_report(tmp_path / "run").read_text()
-    assert "The run ended with an error: PPO iteration 4: non-finite reward in 3" in text
+    said = "The run ended with an error: PPO iteration 4: non-finite reward in 3"
+    assert said in text
+    assert "<td>TrainingHalted: PPO iteration 4: non-finite reward in 3" in text  # The run
+    # a run that scores no answers (SFT, DPO, RM) says it too, first
+    from rlhflab.app.report_parts import verdict
+
+    loss_only = verdict([{"iteration": 1, "loss": 2.0}], [], {}, None, None, "halted here")
+    assert "</span></h2><p class='say'>The run ended with an error: halted here</p>" in loss_only
 
 
 def _named(fn):

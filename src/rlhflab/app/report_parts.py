@@ -81,10 +81,8 @@ def verdict(
     said first — a halt's iteration and count are not in the log, whose last line is the
     step before."""
     if not story and not any("objective/scores" in r for r in rows):
-        return _verdict_without_reward(rows)
+        return _verdict_without_reward(rows, error)
     facts, worries = [], []
-    if error:
-        worries.append(f"The run ended with an error: {esc(error)}")
     if story:
         a = story["smoothing"]
         line = (
@@ -198,6 +196,8 @@ def verdict(
                 f"{story['best_iteration']} ({times:.1f}× its smoothed noise), and the proxy "
                 f"fell with it: over-training rather than a gamed reward. {keep.capitalize()}.",
             )
+    if error:  # first: what ended the run
+        worries.insert(0, f"The run ended with an error: {esc(error)}")
     if worries:
         tone, sentence = "bad", "".join(f"<p class='say'>{w}</p>" for w in worries)
     elif len(rows) < TOO_FEW_TO_JUDGE:
@@ -237,7 +237,7 @@ def verdict(
 RECENT = 20  # the steps the commands' own "loss A → B" line averages (Supervised.recent_loss)
 
 
-def _verdict_without_reward(rows: list[dict]) -> str:
+def _verdict_without_reward(rows: list[dict], error: str | None = None) -> str:
     """The verdict of a run that scores no sampled answers (DPO, SFT, a reward model): no
     gold or proxy story to tell; its first and last loss, and a DPO run's accuracy."""
     facts = []
@@ -253,9 +253,10 @@ def _verdict_without_reward(rows: list[dict]) -> str:
         elif seen:
             facts.append(f"<b>{what}</b>: {seen[0]:.3f} → {seen[-1]:.3f}")
     items = "".join(f"<li>{f}</li>" for f in facts)
+    ended = f"<p class='say'>The run ended with an error: {esc(error)}</p>" if error else ""
     return (
         "<section class='verdict' id='verdict'><h2>Verdict <span class='badge'>no reward"
-        "</span></h2><p class='say'>This run scores no sampled answers, so there is no gold "
+        f"</span></h2>{ended}<p class='say'>This run scores no sampled answers, so there is no gold "
         "or proxy reward to judge it by and no reward-hacking monitor; every logged metric "
         f"is under Curves.</p><ul>{items}</ul></section>"
     )
@@ -300,7 +301,8 @@ def run_facts(info: dict | None, rows: list[dict], run: Path) -> str:
     if not ended:
         why = "-"  # run.json is written again only when the run ends
     else:
-        why = info.get("stop_reason") or info.get("error") or "it was done"
+        error = ": ".join(str(x) for x in (info.get("error"), info.get("error_message")) if x)
+        why = info.get("stop_reason") or error or "it was done"
     pairs = [
         ("trainer", info.get("trainer")),
         ("started", info.get("started")),
