@@ -41,3 +41,9 @@ def a_always(prompts, answers_a, answers_b):
 
 def too_few_labels(prompts, answers_a, answers_b):
     return [1.0]
+
+
+def bad_json(prompts, responses):
+    import json
+
+    return json.loads("{not json")  # the line a user fixes: inside the json module it raised

@@ -334,3 +334,13 @@ def test_a_resume_with_fewer_updates_an_iteration_keeps_the_schedule_s_iteration
     assert [r["iteration"] for r in rows] == [1, 2, 3, 4]
     assert rows[2]["lr/policy"] == pytest.approx(1e-3 * (1 - 3 / 4))
     assert rows[3]["lr/policy"] == pytest.approx(0.0)
+
+
+def test_a_reward_error_raised_inside_a_library_names_the_user_s_line():
+    # json.loads raises deep in the json module: that frame is not the line to fix
+    from rlhflab.experience.rewards import CallableReward, RewardBatch
+    from tests import reward_fns
+
+    line = reward_fns.bad_json.__code__.co_firstlineno + 3
+    with pytest.raises(Exception, match=rf"reward_fns\.py:{line}, in bad_json\)$"):
+        CallableReward(reward_fns.bad_json, "bad")(RewardBatch(["p"], ["a"]))

@@ -17,13 +17,25 @@ class RlhflabError(Exception):
 
 
 def where_raised(exc: BaseException) -> str:
-    """`` (at FILE:LINE, in FUNCTION)`` for the innermost frame of ``exc``'s traceback — the
-    line of a user's function that raised, which the one-line error a command prints would
-    otherwise lose — or "" when it has none."""
-    tb = exc.__traceback__
-    if tb is None:
-        return ""
-    while tb.tb_next is not None:
+    """`` (at FILE:LINE, in FUNCTION)`` for the line of the user's code that raised ``exc``:
+    the innermost frame outside Python's own library, installed packages and rlhflab (a
+    reward function's ``json.loads`` raises inside the json module; its caller is the line
+    to fix), or the innermost frame where every one is such; "" without a traceback."""
+    import os
+    import sysconfig
+
+    libraries = tuple(
+        os.path.realpath(sysconfig.get_paths()[k]) + os.sep
+        for k in ("stdlib", "purelib", "platlib")
+    ) + (os.path.dirname(os.path.realpath(__file__)) + os.sep,)
+    tb, user, last = exc.__traceback__, None, None
+    while tb is not None:
+        last = tb
+        if not os.path.realpath(tb.tb_frame.f_code.co_filename).startswith(libraries):
+            user = tb
         tb = tb.tb_next
-    code = tb.tb_frame.f_code
-    return f" (at {code.co_filename}:{tb.tb_lineno}, in {code.co_name})"
+    found = user or last
+    if found is None:
+        return ""
+    code = found.tb_frame.f_code
+    return f" (at {code.co_filename}:{found.tb_lineno}, in {code.co_name})"
