@@ -344,3 +344,17 @@ def test_a_reward_error_raised_inside_a_library_names_the_user_s_line():
     line = reward_fns.bad_json.__code__.co_firstlineno + 3
     with pytest.raises(Exception, match=rf"reward_fns\.py:{line}, in bad_json\)$"):
         CallableReward(reward_fns.bad_json, "bad")(RewardBatch(["p"], ["a"]))
+
+
+def test_a_reward_module_that_fails_to_import_names_its_line(tmp_path, monkeypatch):
+    from rlhflab.experience.rewards import FunctionReward, RewardError
+
+    (tmp_path / "broken_at_two.py").write_text("import json\nX = json.loads('{')\n")
+    (tmp_path / "needs_more.py").write_text("import no_such_module_here\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(RewardError, match=r"broken_at_two\.py:2, in <module>\)$"):
+        FunctionReward("broken_at_two:r")
+    with pytest.raises(
+        RewardError, match=r"no_such_module_here'.*needs_more\.py:1, in <module>\)$"
+    ):
+        FunctionReward("needs_more:r")

@@ -289,12 +289,12 @@ class FunctionReward(CallableReward):
             )
             raise RewardError(
                 f"reward function {spec!r}: cannot import {module_name}: {exc}"
-                + (where if missing else "")
+                + (where if missing else where_raised(exc))
             ) from None
         except Exception as exc:  # the module's own code failed: a syntax error, a raise
             raise RewardError(
                 f"reward function {spec!r}: importing {module_name} failed: "
-                f"{type(exc).__name__}: {exc}"
+                f"{type(exc).__name__}: {exc}{'' if isinstance(exc, SyntaxError) else where_raised(exc)}"
             ) from None
         fn = getattr(module, func_name, None)
         if not callable(fn):
