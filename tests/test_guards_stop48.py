@@ -36,12 +36,17 @@ def test_a_setting_given_twice_on_the_command_line_is_refused(capsys):
     assert main(["ppo", "ppo.lr=1e-5", "rollout.max_new_tokens=8", "ppo.lr=3e-5"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err == (
-        "error: ppo.lr: given twice on the command line ('ppo.lr=1e-5', then 'ppo.lr=3e-5'); "
-        "keep one"
+        "error: ppo.lr: given twice in the overrides ('ppo.lr=1e-5', then 'ppo.lr=3e-5'); keep one"
     )
     # the same value twice is harmless: it goes on to the next check (the missing reward)
     assert main(["ppo", "ppo.lr=1e-5", "ppo.lr=0.00001"]) == 2
     assert "twice" not in capsys.readouterr().err
+    # from Python, a list of overrides reads as the command line does
+    import rlhflab
+    from rlhflab.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"ppo.lr: given twice in the overrides"):
+        rlhflab.PPOTrainer(overrides=["ppo.lr=1e-5", "ppo.lr=3e-5"], reward=lambda p, a: [0.0])
 
 
 def test_memory_says_a_critic_free_estimate_is_not_checked_against_a_run():

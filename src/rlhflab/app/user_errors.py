@@ -62,9 +62,9 @@ def storage_error(exc: BaseException) -> str | None:
 
 
 def refuse_repeated_overrides(overrides: list[str] | None) -> None:
-    """A command line that sets one key twice with different values (``ppo.lr=1e-5 ...
-    ppo.lr=3e-5``) is refused, as a config file that sets a key twice is: the last one
-    would win without a word. The same value twice is harmless."""
+    """Overrides (a command line, a Python list) that set one key twice with different
+    values (``ppo.lr=1e-5 ... ppo.lr=3e-5``) are refused, as a config file that sets a key
+    twice is: the last one would win without a word. The same value twice is harmless."""
     from rlhflab.config.base import ConfigError, parse_override
 
     seen: dict[str, tuple[str, object]] = {}
@@ -73,7 +73,6 @@ def refuse_repeated_overrides(overrides: list[str] | None) -> None:
         key = ".".join(path)
         if key in seen and seen[key][1] != value:
             raise ConfigError(
-                f"{key}: given twice on the command line ({seen[key][0]!r}, then {text!r}); "
-                "keep one"
+                f"{key}: given twice in the overrides ({seen[key][0]!r}, then {text!r}); keep one"
             )
         seen[key] = (text, value)
