@@ -88,6 +88,11 @@ def test_the_space_is_checked_before_any_trial():
     assert check_space({"grpo.group_size": {"choices": [2, 4]}}, grpo, "grpo")
     with pytest.raises(ConfigError, match="rlhflab grpo never reads dpo"):
         check_space({"dpo.beta": {"low": 0.1, "high": 0.5}}, grpo, "grpo")
+    with pytest.raises(ConfigError, match="rlhflab grpo trains no critic"):
+        check_space({"ppo.critic_lr": {"low": 1e-6, "high": 1e-4}}, grpo, "grpo")
+    rloo = to_dict(load_config(stage="rloo", reward_given=True))
+    with pytest.raises(ConfigError, match="divides by no std"):
+        check_space({"grpo.normalize_std": {"choices": [True, False]}}, rloo, "rloo")
 
 
 def test_a_study_rerun_as_another_experiment_is_refused():

@@ -38,6 +38,8 @@ from rlhflab.trainers.common import TrainingHalted
 log = logging.getLogger(__name__)
 
 SPEC_KEYS = {"low", "high", "log"}
+# what only a critic reads: the same run in every trial of a critic-free method
+CRITIC_SETTINGS = ("ppo.critic_lr", "ppo.value_clip", "model.vf_coef", "model.critic_lora_r")
 # settings every trial gets from the sweep itself, so a space cannot vary them: the method
 # is chosen before any trial (sweep.method), each trial's folder and bar are the sweep's
 FIXED_BY_THE_SWEEP = ("sweep.", "log.output_dir", "log.progress")
@@ -69,6 +71,10 @@ def _unread(key: str, base: dict, stage: str, space: dict) -> str | None:
     grouped = (base.get("ppo") or {}).get("advantage_estimator") in ("grpo", "rloo")
     if section == "grpo" and not grouped and "ppo.advantage_estimator" not in space:
         return "grpo.* settings are read by grouped estimators (sweep.method grpo or rloo) only"
+    if stage in ("grpo", "rloo") and key in CRITIC_SETTINGS:
+        return f"rlhflab {stage} trains no critic"
+    if stage == "rloo" and key in ("grpo.normalize_std", "grpo.eps"):
+        return "RLOO's leave-one-out baseline divides by no std"
     return None
 
 
