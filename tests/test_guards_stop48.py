@@ -307,7 +307,7 @@ def test_a_negative_final_kl_is_said_as_a_sampled_estimate():
 
     row = {"iteration": 1, "objective/scores": 0.5, "objective/kl_coef": 0.05}
     said = verdict([{**row, "objective/kl": -0.004}], [], {}, None)
-    assert "-0.004 nats per answer (β 0.05) — below 0: a sampled estimate" in said
+    assert "-0.004 nats per answer (β 0.05) — below 0: k1 is a sampled estimate" in said
     assert "below 0" not in verdict([{**row, "objective/kl": 0.2}], [], {}, None)
 
 

@@ -147,9 +147,11 @@ def verdict(
         facts.append(
             f"<b>Final KL</b> to the reference: {last['objective/kl']:.3f} nats per answer"
             + (f" (β {beta:.3g})" if _finite(beta) else "")
-            # the batch's sampled estimate (the log-ratio's mean): noise can take it below 0
+            # a sampled estimate (k1): noise takes it a little below 0; far below 0 is the
+            # run's KL-sign warning (answers not sampled from π: top_k/top_p truncation)
             + (
-                " — below 0: a sampled estimate, none measurable"
+                " — below 0: k1 is a sampled estimate, slightly negative by noise; far below, "
+                "see the log's KL-sign warning and objective/kl_k3"
                 if last["objective/kl"] < 0
                 else ""
             )
