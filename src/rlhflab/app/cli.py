@@ -212,7 +212,7 @@ def cmd_sft(args) -> int:
     result = train_sft(load_config(args.config, args.overrides, stage="sft"), args.resume)
     print(
         f"SFT loss {result['loss_first']:.3f} (first step) → {result['loss_last']:.3f} "
-        "(mean of the last 20 steps); "
+        f"(mean of the last {min(20, result['steps'])} steps); "
         f"model saved to {result['output_dir']}"
     )
     return 0

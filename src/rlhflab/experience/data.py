@@ -317,7 +317,7 @@ def _labels(row: dict, where: str) -> dict:
             labels = json.loads(labels)
         except json.JSONDecodeError:
             raise DataError(
-                f"{where}: field 'labels' is not JSON (got {labels!r}); give an object of "
+                f"{where}: field 'labels' is not JSON (got {labels[:80]!r}); give an object of "
                 'attributes to numbers in [0, 1], e.g. {"helpful": 1}'
             ) from None
     if isinstance(labels, dict):  # a struct column gives every row every key: None = unlabelled
