@@ -24,7 +24,7 @@ def read_recorded_config(path: Path) -> dict:
     try:
         loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:  # a torn or edited file
-        log.warning("--resume: %s cannot be read (%s); not compared", path, exc)
+        log.warning("%s cannot be read (%s); its settings are not compared", path, exc)
         return {}
     return loaded if isinstance(loaded, dict) else {}
 
