@@ -95,8 +95,8 @@ def checkpoint_of_this_run(run_dir: Path, config: dict):
             for key in TRAINED_FOLDERS
             if isinstance(old, dict) and old.get(key) and old.get(key) != new.get(key)
         ]
-        if not changed:
-            raise
+        if not changed or not any(w in str(exc) for w in ("has shape", "do not match")):
+            raise  # not a tensor that misfits the model (a file missing, a precision)
         raise CheckpointError(
             f"--resume: {'; '.join(changed)}: the checkpoint does not fit that model ({exc}); "
             "resume with the run's setting (or start a new run elsewhere)"
