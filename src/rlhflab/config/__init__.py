@@ -128,6 +128,13 @@ def validate(cfg: Config, stage: str = "ppo", reward_given: bool = False) -> Con
             "(model.lora_r) the reference is the policy's own base with the adapters off: it "
             "shares the policy's weights and keeps their precision; leave it at 'fp32'"
         )
+    section = getattr(cfg, stage, None)
+    micro = getattr(section, "micro_batch_size", None) if stage in ("sft", "dpo") else None
+    if micro and section.batch_size % micro:
+        raise ConfigError(
+            f"{stage}.micro_batch_size: {micro} does not divide {stage}.batch_size "
+            f"({section.batch_size}); the parts must make up the batch"
+        )
     if stage == "dpo" and cfg.dpo.loss_type == "ipo" and cfg.dpo.label_smoothing:
         raise ConfigError(
             "dpo.label_smoothing: applies to the sigmoid loss only (conservative DPO); "

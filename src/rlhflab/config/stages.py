@@ -41,6 +41,14 @@ class DPOConfig:
     label_smoothing: float = setting(0.0, "Conservative-DPO ε (sigmoid only).", low=0.0, high=0.49)
     steps: int = setting(200, "Optimiser steps.", low=1)
     batch_size: int = setting(32, "Pairs per step.", low=1)
+    micro_batch_size: int | None = setting(
+        None,
+        "Pairs per forward and backward; the step's gradient accumulates over them, the "
+        "same update as one pass over dpo.batch_size (each part's loss is its share of the "
+        "batch mean) with a part's activations held at a time. None: the whole batch. Must "
+        "divide dpo.batch_size.",
+        low=1,
+    )
     lr: float = setting(1e-4, "Learning rate.", low=0.0, low_open=True)
     warmup_steps: int = setting(10, "Linear warm-up steps, then constant.", low=0)
 
@@ -57,6 +65,14 @@ class SFTConfig:
     output_dir: str = setting("runs/sft/model", "Where the fine-tuned policy is saved (HF folder).")
     steps: int = setting(600, "Optimiser steps.", low=1)
     batch_size: int = setting(32, "Sequences per step.", low=1)
+    micro_batch_size: int | None = setting(
+        None,
+        "Sequences per forward and backward; the step's gradient accumulates over them, the "
+        "same update as one pass over sft.batch_size (each part's summed token loss over the "
+        "batch's response tokens) with a part's activations held at a time. None: the whole "
+        "batch. Must divide sft.batch_size.",
+        low=1,
+    )
     lr: float = setting(
         1e-3,
         "Learning rate; high because the presets start from random weights.",

@@ -137,21 +137,31 @@ def supervised_step(
     model,
     opt,
     sched,
-    loss: torch.Tensor,
+    loss,
     step: int,
     halt: Halt,
     max_norm: float = 1.0,
     scaler: LossScaler | None = None,
 ) -> float:
-    """Backward, clip, step and clear for SFT, RM and DPO; returns the loss value. A loss or
-    gradient that is not finite raises ``halt``'s error before the weights change (a NaN
-    gradient would make every weight NaN and the next loss too). With an enabled
-    ``scaler`` (model.compute_dtype=fp16) the loss is scaled before backward and the
-    gradients unscaled before the clip; an overflow then skips this step's update (weights
-    and schedule unchanged) and lowers the scale instead of halting."""
-    halt.check(loss, step, "loss")
+    """Backward, clip, step and clear for SFT, RM and DPO; returns the loss value. ``loss``:
+    the batch's loss, or an iterable of its parts (``*.micro_batch_size``: each part's share
+    of the batch's loss, backpropagated as it comes, so that one part's activations are held
+    at a time; the value returned is their sum). A loss or gradient that is not finite
+    raises ``halt``'s error before the weights change (a NaN gradient would make every
+    weight NaN and the next loss too). With an enabled ``scaler`` (model.compute_dtype=fp16)
+    each loss is scaled before backward and the gradients unscaled before the clip; an
+    overflow then skips this step's update (weights and schedule unchanged) and lowers the
+    scale instead of halting."""
     scaler = scaler or LossScaler(enabled=False)
-    scaler.scaled(loss).backward()
+    total = 0.0
+    for part in [loss] if isinstance(loss, torch.Tensor) else loss:
+        try:
+            halt.check(part, step, "loss")
+        except BaseException:
+            opt.zero_grad(set_to_none=True)  # an earlier part's gradients: not this step's
+            raise
+        scaler.scaled(part).backward()
+        total += part.item()
     scaler.unscale_(model.parameters())
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     overflow = not bool(torch.isfinite(norm))
@@ -162,14 +172,14 @@ def supervised_step(
             step,
             scaler.scale,
         )
-        return loss.item()
+        return total
     if overflow:
         opt.zero_grad(set_to_none=True)
         raise halt.error(step, "gradient")
     opt.step()
     sched.step()
     opt.zero_grad(set_to_none=True)
-    return loss.item()
+    return total
 
 
 def build_scheduler(

@@ -123,29 +123,19 @@ class DPOTrainer:
     def step(self) -> dict[str, float]:
         d = self.cfg.dpo
         idx = torch.randint(len(self.prompts), (d.batch_size,), generator=self.gens["batch"])
-        pick = idx.tolist()
-        prompts = [self.prompts[i] for i in pick]
-        pc = self._answer_logprobs(self.policy, prompts, [self.chosen[i] for i in pick])
-        pr = self._answer_logprobs(self.policy, prompts, [self.rejected[i] for i in pick])
-        losses, rc, rr = L.dpo_loss(
-            pc,
-            pr,
-            self.ref_chosen[idx],
-            self.ref_rejected[idx],
-            d.beta,
-            d.loss_type,
-            d.label_smoothing,
-        )
+        size = d.micro_batch_size if d.micro_batch_size else d.batch_size
+        rewards: list[tuple[torch.Tensor, torch.Tensor]] = []  # (rc, rr) of each part
         used = self.opt.param_groups[0]["lr"]  # this step's (the schedule moves in the step)
         value = supervised_step(
             self.policy,
             self.opt,
             self.sched,
-            losses.mean(),
+            self._loss_parts(idx, size, rewards),
             self.iteration + 1,
             self.halt,
             scaler=self.scaler,
         )
+        rc, rr = (torch.cat(x) for x in zip(*rewards))
         return {
             "loss": value,
             "rewards/chosen": rc.mean().item(),
@@ -156,6 +146,30 @@ class DPOTrainer:
             "rewards/accuracy": ((rc > rr).float() + 0.5 * (rc == rr).float()).mean().item(),
             "lr/policy": used,
         }
+
+    def _loss_parts(self, idx: torch.Tensor, size: int, rewards: list):
+        """The batch's DPO loss in parts of ``size`` pairs (dpo.micro_batch_size; the whole
+        batch by default, as its mean): each part's share of the batch mean, its forwards
+        run when asked for, after the part before was backpropagated. Each part's implicit
+        rewards are appended to ``rewards`` for the step's metrics."""
+        d = self.cfg.dpo
+        for start in range(0, len(idx), size):
+            part = idx[start : start + size]
+            pick = part.tolist()
+            prompts = [self.prompts[i] for i in pick]
+            pc = self._answer_logprobs(self.policy, prompts, [self.chosen[i] for i in pick])
+            pr = self._answer_logprobs(self.policy, prompts, [self.rejected[i] for i in pick])
+            losses, rc, rr = L.dpo_loss(
+                pc,
+                pr,
+                self.ref_chosen[part],
+                self.ref_rejected[part],
+                d.beta,
+                d.loss_type,
+                d.label_smoothing,
+            )
+            rewards.append((rc.detach(), rr.detach()))
+            yield losses.mean() if size == len(idx) else losses.sum() / len(idx)
 
     def _answer_logprobs(self, model, prompts, answers) -> torch.Tensor:
         """answer_logprobs of the policy or the reference, each in its compute dtype."""

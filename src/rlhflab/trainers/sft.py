@@ -92,6 +92,21 @@ def response_nll(model, tokenizer, pairs, device) -> torch.Tensor:
     return -A.masked_mean(logp, loss_mask[:, 1:])
 
 
+def response_nll_parts(model, tokenizer, pairs, device, size: int):
+    """:func:`response_nll` of ``pairs`` in parts of ``size`` rows (sft.micro_batch_size):
+    each part's summed token loss over the whole batch's response tokens, so the parts'
+    gradients add up to the batch's. A generator: each part's forward runs when it is asked
+    for, after the one before was backpropagated."""
+    ids, attn, loss_mask = encode_pairs(tokenizer, pairs)  # right-padded: trimmed per part
+    tokens = loss_mask[:, 1:].sum().clamp(min=1).to(device)
+    for start in range(0, len(pairs), size):
+        rows = slice(start, start + size)
+        width = int(attn[rows].sum(1).max())
+        i, a, m = (t[rows, :width].to(device) for t in (ids, attn, loss_mask))
+        logp = A.logprobs_from_logits(M.causal_forward(model, i, a).logits[:, :-1], i[:, 1:])
+        yield -torch.where(m[:, 1:].bool(), logp, 0.0).sum() / tokens
+
+
 def sft_trainer(cfg: Config) -> SupervisedTrainer:
     """The SFT run of ``cfg``: the tokenizer and the data read first (a bad row is reported
     before any model is loaded), then the policy, prepared as every command prepares it."""
@@ -112,8 +127,11 @@ def sft_trainer(cfg: Config) -> SupervisedTrainer:
     finish_models(cfg.model, device, trained=(model,))
     model = to_trained(model, device, "the SFT policy")
 
-    def batch_loss(idx: list[int]) -> torch.Tensor:
-        return response_nll(model, tokenizer, [pairs[i] for i in idx], device)
+    def batch_loss(idx: list[int]):
+        rows, size = [pairs[i] for i in idx], s.micro_batch_size
+        if size and size < len(rows):
+            return response_nll_parts(model, tokenizer, rows, device, size)
+        return response_nll(model, tokenizer, rows, device)
 
     return SupervisedTrainer(cfg, "sft", model, tokenizer, len(pairs), batch_loss)
 

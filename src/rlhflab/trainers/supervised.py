@@ -12,6 +12,7 @@ last good weights in ``OUTPUT_DIR/last-good``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import shutil
 import time
@@ -124,8 +125,11 @@ class SupervisedTrainer:
         idx = torch.randint(self.n_examples, (batch,), generator=self.gens["batch"]).tolist()
         # the forward under model.compute_dtype's autocast; the loss's maths reads fp32
         # log-probs and scores (autocast lowers matrix products only), as does backward
-        with M.compute_autocast(self.device, self.cfg.model.compute_dtype):
-            loss = self.batch_loss(idx)
+        autocast = functools.partial(M.compute_autocast, self.device, self.cfg.model.compute_dtype)
+        with autocast():
+            loss = self.batch_loss(idx)  # a tensor, or a generator of the batch's parts
+        if not isinstance(loss, torch.Tensor):  # each part's forward under autocast too
+            loss = _each_under(autocast, loss)
         used = self.opt.param_groups[0]["lr"]  # this step's (the schedule moves in the step)
         value = supervised_step(
             self.model,
@@ -194,3 +198,14 @@ class SupervisedTrainer:
         """Mean of the last ``n`` steps' losses (the run's, resumed steps included)."""
         tail = self.losses[-n:]
         return sum(tail) / len(tail)
+
+
+def _each_under(context, parts):
+    """The items of generator ``parts``, each computed inside ``context()`` (the forward
+    under model.compute_dtype's autocast), each handed on outside it (backward is not)."""
+    while True:
+        with context():
+            part = next(parts, None)
+        if part is None:
+            return
+        yield part
