@@ -24,10 +24,10 @@ def resolve_config(config, overrides, stage: str) -> Config:
             "overrides: a dict of dotted keys ({'ppo.lr': 1e-5}) or a list of 'key=value' "
             f"strings (['ppo.lr=1e-5']), got {overrides!r}"
         )
-    if isinstance(overrides, (list, tuple)):  # as on the command line: one value a key
-        from rlhflab.app.user_errors import refuse_repeated_overrides
+    if isinstance(overrides, (list, tuple)):  # a key given twice is said, as on the command line
+        from rlhflab.app.user_errors import say_repeated_overrides
 
-        refuse_repeated_overrides(list(overrides))
+        say_repeated_overrides(list(overrides))
     if isinstance(config, Config):
         from rlhflab.config.base import build, merge_overrides
 

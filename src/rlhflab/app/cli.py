@@ -18,7 +18,7 @@ from pathlib import Path
 from rlhflab.app.around import add_parsers, cmd_eval, cmd_export, cmd_generate, cmd_memory
 from rlhflab.app.user_errors import (
     every_rank_errors,
-    refuse_repeated_overrides,
+    say_repeated_overrides,
     storage_error,
     user_errors,
 )
@@ -356,12 +356,12 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if rank == 0 else logging.WARNING,
         format="%(message)s" if rank == 0 else f"[rank {rank}] %(message)s",
     )
-    if rank == 0:
+    if rank == 0:  # and a key given twice in the overrides, once
         logging.getLogger(__name__).info("allocator: %s", in_use())
+        say_repeated_overrides(getattr(args, "overrides", None))
     else:  # each process has its own: every rank says which
         print(f"[rank {rank}] allocator: {in_use()}", file=sys.stderr)
     try:
-        refuse_repeated_overrides(getattr(args, "overrides", None))
         code = COMMANDS[args.command](args)
     except user_errors() as exc:
         # under torchrun every rank meets the same config errors and halts: rank 0 says

@@ -61,18 +61,25 @@ def storage_error(exc: BaseException) -> str | None:
     return None
 
 
-def refuse_repeated_overrides(overrides: list[str] | None) -> None:
+def say_repeated_overrides(overrides: list[str] | None) -> None:
     """Overrides (a command line, a Python list) that set one key twice with different
-    values (``ppo.lr=1e-5 ... ppo.lr=3e-5``) are refused, as a config file that sets a key
-    twice is: the last one would win without a word. The same value twice is harmless."""
+    values (``ppo.lr=1e-5 ... ppo.lr=3e-5``): the last wins, as scripts that append to a
+    base list expect, and it is said (it won without a word). The same value twice is
+    harmless. A bad override is left to the config's loader, which names it."""
+    import logging
+
     from rlhflab.config.base import ConfigError, parse_override
 
     seen: dict[str, tuple[str, object]] = {}
     for text in overrides or []:
-        path, value = parse_override(text)
+        try:
+            path, value = parse_override(text)
+        except ConfigError:
+            continue
         key = ".".join(path)
         if key in seen and seen[key][1] != value:
-            raise ConfigError(
-                f"{key}: given twice in the overrides ({seen[key][0]!r}, then {text!r}); keep one"
-            )
+            logging.getLogger("rlhflab").warning(
+                "%s: given twice in the overrides (%r, then %r); the last is used",
+                key, seen[key][0], text,
+            )  # fmt: skip
         seen[key] = (text, value)
