@@ -169,7 +169,8 @@ def sft_answer_field(row: dict) -> str:
 def sft_pair(row: dict, tokenizer, where: str) -> tuple[str, str]:
     """(prompt, response) of an SFT row: ``prompt`` with ``completion`` or ``response``, or a
     whole conversation in ``messages`` (see :func:`chat.render_answers` for the cut)."""
-    if row.get("prompt") in (None, "") and row.get("messages") not in (None, ""):
+    key = sft_answer_field(row)
+    if key == "messages":
         messages = chat.parse_json_messages(row["messages"], where, "messages")
         messages = chat.message_list(messages, where, "messages")
         prompt = chat.split_conversation(messages, where, "messages")
@@ -179,7 +180,6 @@ def sft_pair(row: dict, tokenizer, where: str) -> tuple[str, str]:
         return text, response
     if row.get("completion") is not None and row.get("response") is not None:
         raise DataError(f"{where}: fields 'completion' and 'response' are both set; keep one")
-    key = "completion" if row.get("completion") is not None else "response"
     prompt, answer = row.get("prompt"), row.get(key)
     if isinstance(prompt, list):
         if answer is None:
